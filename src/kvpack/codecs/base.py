@@ -1,0 +1,126 @@
+"""The codec interface: a block of vectors in, a packed dataclass of tensors out, and back.
+
+A codec compresses `x: (batch, kv_heads, tokens, head_dim)`. Every tensor field of its packed
+dataclass carries the token axis at dim 2, so blocks concatenate along tokens and the cache can
+append to a segment without knowing the layout. Compressed-domain `scores`/`weighted_sum`
+default to decode-then-matmul, so a new codec works before it is fast.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar
+
+import torch
+
+from ..primitives.validation import check_kv, check_query
+
+
+@dataclasses.dataclass
+class Packed:
+    """Base of every codec's packed block. Subclasses add tensor fields with tokens at dim 2."""
+
+    num_tokens: int
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [v for v in (getattr(self, f.name) for f in dataclasses.fields(self)) if isinstance(v, torch.Tensor)]
+
+    def nbytes(self) -> int:
+        """Real bytes held by this block's tensors."""
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def map_tensors(self, fn) -> Packed:
+        """A copy with `fn` applied to every tensor field (e.g. batch selection, device moves)."""
+        changes = {f.name: fn(getattr(self, f.name)) for f in dataclasses.fields(self) if isinstance(getattr(self, f.name), torch.Tensor)}
+        return dataclasses.replace(self, **changes)
+
+
+def concat_packed(blocks: list[Packed]) -> Packed:
+    """Concatenate blocks of one codec along tokens (dim 2 of every tensor field)."""
+    if len(blocks) == 1:
+        return blocks[0]
+    first = blocks[0]
+    changes: dict[str, Any] = {"num_tokens": sum(b.num_tokens for b in blocks)}
+    for f in dataclasses.fields(first):
+        if isinstance(getattr(first, f.name), torch.Tensor):
+            changes[f.name] = torch.cat([getattr(b, f.name) for b in blocks], dim=2)
+    return dataclasses.replace(first, **changes)
+
+
+def slice_packed(packed: Packed, start: int, stop: int) -> Packed:
+    """Tokens [start, stop) of a packed block (for `crop`)."""
+    changes: dict[str, Any] = {"num_tokens": stop - start}
+    for f in dataclasses.fields(packed):
+        value = getattr(packed, f.name)
+        if isinstance(value, torch.Tensor):
+            changes[f.name] = value[:, :, start:stop]
+    return dataclasses.replace(packed, **changes)
+
+
+def group_query(query: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """`(batch, q_heads, q_len, d)` -> `(batch, kv_heads, group * q_len, d)` without copying K/V.
+
+    Query head h reads kv head h // group, the convention of transformers' `repeat_kv`.
+    """
+    b, hq, lq, d = query.shape
+    return query.reshape(b, kv_heads, (hq // kv_heads) * lq, d)
+
+
+def ungroup(out: torch.Tensor, q_heads: int) -> torch.Tensor:
+    """Inverse of `group_query` on a result `(batch, kv_heads, group * q_len, n)`."""
+    b, _, rows, n = out.shape
+    return out.reshape(b, q_heads, rows * out.shape[1] // q_heads, n)
+
+
+class Codec(ABC):
+    """One compression scheme for one layer's keys or values.
+
+    Subclasses set `name`, implement `encode`/`decode`, and may override `scores`/`weighted_sum`
+    with compressed-domain versions and `fit` for data-dependent state.
+    """
+
+    name: ClassVar[str]
+
+    def __init__(self, config: Any, head_dim: int, kv_heads: int, layer_idx: int = 0):
+        self.config = config
+        self.head_dim = head_dim
+        self.kv_heads = kv_heads
+        self.layer_idx = layer_idx
+
+    # -- required ------------------------------------------------------------------------------
+    @abstractmethod
+    def encode(self, x: torch.Tensor) -> Packed:
+        """Compress `x: (batch, kv_heads, tokens, head_dim)`."""
+
+    @abstractmethod
+    def decode(self, packed: Packed) -> torch.Tensor:
+        """float32 reconstruction `(batch, kv_heads, tokens, head_dim)`."""
+
+    # -- optional ------------------------------------------------------------------------------
+    def fit(self, x: torch.Tensor) -> None:
+        """Learn data-dependent state from `x: (batch, kv_heads, tokens, head_dim)`; default none."""
+
+    def state_nbytes(self) -> int:
+        """Bytes of tensors the codec itself holds (bases, codebooks, rotations)."""
+        return sum(t.numel() * t.element_size() for t in vars(self).values() if isinstance(t, torch.Tensor))
+
+    def nbytes(self, packed: Packed) -> int:
+        return packed.nbytes()
+
+    def scores(self, query: torch.Tensor, packed: Packed) -> torch.Tensor:
+        """Raw inner products <q, k>: `query (batch, q_heads, q_len, d)` -> `(batch, q_heads, q_len, tokens)`."""
+        check_query(query, self.kv_heads, self.head_dim)
+        keys = self.decode(packed)
+        return ungroup(group_query(query.float(), self.kv_heads) @ keys.transpose(-1, -2), query.shape[1])
+
+    def weighted_sum(self, probs: torch.Tensor, packed: Packed) -> torch.Tensor:
+        """`probs (batch, q_heads, q_len, tokens)` @ V -> `(batch, q_heads, q_len, head_dim)`."""
+        values = self.decode(packed)
+        return ungroup(group_query(probs.float(), self.kv_heads) @ values, probs.shape[1])
+
+    # -- helpers -------------------------------------------------------------------------------
+    def _check(self, x: torch.Tensor) -> None:
+        check_kv(x, self.head_dim)
+        if x.shape[1] != self.kv_heads:
+            raise ValueError(f"x has {x.shape[1]} kv heads but this codec was built for {self.kv_heads}")

@@ -1,0 +1,47 @@
+"""Uncompressed storage in a 16-bit float (or the input's own dtype): sinks, windows, baselines."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .base import Codec, Packed, group_query, ungroup
+
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "native": None}
+
+
+@dataclass(frozen=True)
+class Fp16Config:
+    """dtype: one of float16 | bfloat16 | float32 | native (keep the incoming dtype: lossless)."""
+
+    dtype: str = "float16"
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+
+
+@dataclass
+class Fp16Packed(Packed):
+    data: torch.Tensor  # (batch, kv_heads, tokens, head_dim)
+
+
+class Fp16Codec(Codec):
+    name = "fp16"
+
+    def encode(self, x: torch.Tensor) -> Fp16Packed:
+        self._check(x)
+        dtype = DTYPES[self.config.dtype] or x.dtype
+        return Fp16Packed(x.shape[2], x.to(dtype).contiguous())
+
+    def decode(self, packed: Fp16Packed) -> torch.Tensor:
+        return packed.data.float()
+
+    def scores(self, query: torch.Tensor, packed: Fp16Packed) -> torch.Tensor:
+        q = group_query(query, self.kv_heads).to(packed.data.dtype)
+        return ungroup((q @ packed.data.transpose(-1, -2)).float(), query.shape[1])
+
+    def weighted_sum(self, probs: torch.Tensor, packed: Fp16Packed) -> torch.Tensor:
+        p = group_query(probs, self.kv_heads).to(packed.data.dtype)
+        return ungroup((p @ packed.data).float(), probs.shape[1])

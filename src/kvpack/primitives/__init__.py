@@ -1,0 +1,1 @@
+"""Pure, stateless torch functions under every codec."""
