@@ -81,6 +81,9 @@ class Codec(ABC):
     """
 
     name: ClassVar[str]
+    # Codecs that store keys without RoPE (Shard's PCA) need token positions and the model's
+    # rotary frequencies; the cache passes positions and calls `set_rope` when this is True.
+    uses_positions: ClassVar[bool] = False
 
     def __init__(self, config: Any, head_dim: int, kv_heads: int, layer_idx: int = 0):
         self.config = config
@@ -90,15 +93,18 @@ class Codec(ABC):
 
     # -- required ------------------------------------------------------------------------------
     @abstractmethod
-    def encode(self, x: torch.Tensor) -> Packed:
-        """Compress `x: (batch, kv_heads, tokens, head_dim)`."""
+    def encode(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> Packed:
+        """Compress `x: (batch, kv_heads, tokens, head_dim)`; `positions: (batch, tokens)` long."""
 
     @abstractmethod
-    def decode(self, packed: Packed) -> torch.Tensor:
-        """float32 reconstruction `(batch, kv_heads, tokens, head_dim)`."""
+    def decode(self, packed: Packed, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 reconstruction `(batch, kv_heads, tokens, head_dim)` (RoPE re-applied if undone)."""
 
     # -- optional ------------------------------------------------------------------------------
-    def fit(self, x: torch.Tensor) -> None:
+    def set_rope(self, inv_freq: torch.Tensor, attention_scaling: float = 1.0) -> None:
+        """Rotary parameters of this layer (`inv_freq: (head_dim // 2,)`), for `uses_positions` codecs."""
+
+    def fit(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> None:
         """Learn data-dependent state from `x: (batch, kv_heads, tokens, head_dim)`; default none."""
 
     def state_nbytes(self) -> int:
@@ -108,10 +114,19 @@ class Codec(ABC):
     def nbytes(self, packed: Packed) -> int:
         return packed.nbytes()
 
-    def scores(self, query: torch.Tensor, packed: Packed) -> torch.Tensor:
-        """Raw inner products <q, k>: `query (batch, q_heads, q_len, d)` -> `(batch, q_heads, q_len, tokens)`."""
+    def scores(
+        self,
+        query: torch.Tensor,
+        packed: Packed,
+        query_positions: torch.Tensor | None = None,
+        key_positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Raw inner products <q, k>: `query (batch, q_heads, q_len, d)` -> `(batch, q_heads, q_len, tokens)`.
+
+        Positions `(batch, q_len)` / `(batch, tokens)` matter only to `uses_positions` codecs.
+        """
         check_query(query, self.kv_heads, self.head_dim)
-        keys = self.decode(packed)
+        keys = self.decode(packed, key_positions)
         return ungroup(group_query(query.float(), self.kv_heads) @ keys.transpose(-1, -2), query.shape[1])
 
     def weighted_sum(self, probs: torch.Tensor, packed: Packed) -> torch.Tensor:

@@ -30,15 +30,15 @@ class Fp16Packed(Packed):
 class Fp16Codec(Codec):
     name = "fp16"
 
-    def encode(self, x: torch.Tensor) -> Fp16Packed:
+    def encode(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> Fp16Packed:
         self._check(x)
         dtype = DTYPES[self.config.dtype] or x.dtype
         return Fp16Packed(x.shape[2], x.to(dtype).contiguous())
 
-    def decode(self, packed: Fp16Packed) -> torch.Tensor:
+    def decode(self, packed: Fp16Packed, positions: torch.Tensor | None = None) -> torch.Tensor:
         return packed.data.float()
 
-    def scores(self, query: torch.Tensor, packed: Fp16Packed) -> torch.Tensor:
+    def scores(self, query: torch.Tensor, packed: Fp16Packed, query_positions=None, key_positions=None) -> torch.Tensor:
         q = group_query(query, self.kv_heads).to(packed.data.dtype)
         return ungroup((q @ packed.data.transpose(-1, -2)).float(), query.shape[1])
 

@@ -27,16 +27,16 @@ class Int8Packed(Packed):
 class Int8Codec(Codec):
     name = "int8"
 
-    def encode(self, x: torch.Tensor) -> Int8Packed:
+    def encode(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> Int8Packed:
         self._check(x)
         scale = (x.float().abs().amax(-1, keepdim=True) / 127).clamp_min(1e-8).half()
         codes = (x.float() / scale.float()).round_().clamp_(-127, 127).to(torch.int8)
         return Int8Packed(x.shape[2], codes, scale)
 
-    def decode(self, packed: Int8Packed) -> torch.Tensor:
+    def decode(self, packed: Int8Packed, positions: torch.Tensor | None = None) -> torch.Tensor:
         return packed.codes.float() * packed.scale.float()
 
-    def scores(self, query: torch.Tensor, packed: Int8Packed) -> torch.Tensor:
+    def scores(self, query: torch.Tensor, packed: Int8Packed, query_positions=None, key_positions=None) -> torch.Tensor:
         q = group_query(query.float(), self.kv_heads)
         raw = q @ packed.codes.to(q.dtype).transpose(-1, -2)  # (b, kv, rows, tokens)
         return ungroup(raw * packed.scale.float().transpose(-1, -2), query.shape[1])
