@@ -1,6 +1,15 @@
 """kvpack: compressed KV caches for transformers, with attention on the compressed data."""
 
+from .attention import disable, enable
+from .cache import KVCache
 from .registry import DEFAULT_METHOD, CodecSpec, MethodConfig, get_method, list_methods
 
-__all__ = ["DEFAULT_METHOD", "CodecSpec", "MethodConfig", "get_method", "list_methods"]
+__all__ = ["DEFAULT_METHOD", "CodecSpec", "KVCache", "MethodConfig", "disable", "enable", "get_method", "list_methods", "load_model"]
 __version__ = "0.1.0"
+
+
+def load_model(name_or_path: str = "smollm2-135m", **kwargs):
+    """Load a real model offline (see `kvpack.models`): returns (model, tokenizer)."""
+    from .models import load_model as _load
+
+    return _load(name_or_path, **kwargs)

@@ -1,0 +1,159 @@
+"""Attention over a kvpack layer's segments, each read in its own compressed domain.
+
+Every segment yields a partial softmax: its row max m, sum of exponentials l and unnormalized
+weighted values o, computed by the segment's codecs (`scores`, `weighted_sum`). Partials merge
+exactly by log-sum-exp, so no step rebuilds the whole K or V in floating point.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from .cache.layer import KVPackLayer
+
+NAME = "kvpack"
+
+
+class Partial:
+    """Running (max, sum, weighted values) of an online softmax, all float32.
+
+    m, l: (batch, q_heads, q_len, 1); o: (batch, q_heads, q_len, head_dim).
+    """
+
+    def __init__(self):
+        self.m = self.l = self.o = None
+
+    def add(self, scores: torch.Tensor, weighted_sum) -> None:
+        """Fold in one segment's scaled, masked `scores (b, hq, lq, t)`; `weighted_sum(p)` gives p @ V."""
+        m = scores.amax(-1, keepdim=True)
+        m = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # fully masked rows contribute nothing
+        p = torch.exp(scores - m)
+        l, o = p.sum(-1, keepdim=True), weighted_sum(p)
+        if self.m is None:
+            self.m, self.l, self.o = m, l, o
+            return
+        new_m = torch.maximum(self.m, m)
+        a, b = torch.exp(self.m - new_m), torch.exp(m - new_m)
+        self.m, self.l, self.o = new_m, self.l * a + l * b, self.o * a + o * b
+
+    def result(self) -> torch.Tensor:
+        return self.o / self.l.clamp_min(1e-30)
+
+
+def _apply_mask(scores: torch.Tensor, mask: torch.Tensor | None, cols: slice, causal_from: int | None, softcap: float | None) -> torch.Tensor:
+    """Softcap, then mask columns `cols` of the layer's key range.
+
+    `mask`: transformers' bool mask (b, 1|h, lq, kv_len), True = attend; None means no padding,
+    and then `causal_from` (the key index of the first query) gives the causal limit.
+    """
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        m = mask[..., cols]
+        if m.dtype == torch.bool:
+            return scores.masked_fill(~m, float("-inf"))
+        return scores + m.float()
+    if causal_from is not None:
+        lq, t = scores.shape[-2], scores.shape[-1]
+        q_idx = causal_from + torch.arange(lq, device=scores.device).unsqueeze(1)
+        k_idx = cols.start + torch.arange(t, device=scores.device).unsqueeze(0)
+        return scores.masked_fill(k_idx > q_idx, float("-inf"))
+    return scores
+
+
+def _exact(partial: Partial, query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling, mask, cols, causal_from, softcap) -> None:
+    """Fold an uncompressed part (sinks, window) into the partial softmax."""
+    if k.shape[2] == 0:
+        return
+    b, hq, lq, d = query.shape
+    hk = k.shape[1]
+    qg = query.float().reshape(b, hk, (hq // hk) * lq, d)
+    s = (qg @ k.float().transpose(-1, -2)).reshape(b, hq, lq, -1) * scaling
+    s = _apply_mask(s, mask, cols, causal_from, softcap)
+    vf = v.float()
+    partial.add(s, lambda p: (p.reshape(b, hk, -1, p.shape[-1]) @ vf).reshape(b, hq, lq, -1))
+
+
+QUERY_CHUNK = 512  # bounds the (q_len, tokens) score block of long prefills
+
+
+def segmented_attention(layer: KVPackLayer, query: torch.Tensor, mask: torch.Tensor | None, scaling: float, softcap: float | None = None) -> torch.Tensor:
+    """Attention of `query (b, q_heads, q_len, d)` over all of `layer`'s tokens -> (b, q_heads, q_len, d_v)."""
+    lq = query.shape[2]
+    if mask is not None and mask.shape[-1] != layer.length:
+        raise ValueError(f"attention mask covers {mask.shape[-1]} keys but layer {layer.layer_idx} holds {layer.length}")
+    if not layer.segments and softcap is None:
+        return _exact_sdpa(layer, query, mask, scaling)
+    outs = []
+    for q0 in range(0, lq, QUERY_CHUNK):
+        q1 = min(lq, q0 + QUERY_CHUNK)
+        m = None if mask is None else mask[..., q0:q1, :]
+        outs.append(_segmented(layer, query[:, :, q0:q1], m, scaling, softcap, layer.length - lq + q0, lq > 1))
+    return torch.cat(outs, dim=2)
+
+
+def _exact_sdpa(layer: KVPackLayer, query: torch.Tensor, mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
+    """Nothing compressed yet (a prompt shorter than sinks + window + block, or the prefill itself)."""
+    k = torch.cat([layer.sink_k, layer.win_k], dim=2)
+    v = torch.cat([layer.sink_v, layer.win_v], dim=2)
+    causal = mask is None and query.shape[2] > 1
+    if causal and query.shape[2] != k.shape[2]:
+        mask = torch.ones(query.shape[2], k.shape[2], dtype=torch.bool, device=k.device).tril(k.shape[2] - query.shape[2])
+        causal = False
+    out = torch.nn.functional.scaled_dot_product_attention(query, k.to(query.dtype), v.to(query.dtype), attn_mask=mask, is_causal=causal, scale=scaling, enable_gqa=True)
+    return out.float()
+
+
+def _segmented(layer: KVPackLayer, query: torch.Tensor, mask, scaling: float, softcap, first_query: int, causal: bool) -> torch.Tensor:
+    lq = query.shape[2]
+    causal_from = first_query if (mask is None and causal) else None
+    partial = Partial()
+    n_sink = layer.sink_k.shape[2]
+    _exact(partial, query, layer.sink_k, layer.sink_v, scaling, mask, slice(0, n_sink), causal_from, softcap)
+    q_pos = layer.positions(first_query, lq)
+    for seg in layer.segments:
+        cols = slice(seg.start, seg.start + seg.length)
+        s = seg.key_codec.scores(query, seg.keys, q_pos, layer.positions(seg.start, seg.length)) * scaling
+        s = _apply_mask(s, mask, cols, causal_from, softcap)
+        partial.add(s, lambda p, seg=seg: seg.value_codec.weighted_sum(p, seg.values))
+    w = layer.win_k.shape[2]
+    _exact(partial, query, layer.win_k, layer.win_v, scaling, mask, slice(layer.length - w, layer.length), causal_from, softcap)
+    return partial.result()
+
+
+def kvpack_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+    """The function registered as attention implementation "kvpack".
+
+    Keys returned by a kvpack layer's `update` carry a reference to that layer; anything else
+    (sliding-window layers, other caches) goes to transformers' SDPA unchanged.
+    """
+    layer = getattr(key, "_kvpack_layer", None)
+    if layer is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
+    layer.set_positions(kwargs.get("position_ids"), query.shape[2])
+    out = segmented_attention(layer, query, attention_mask, scaling, kwargs.get("softcap"))
+    layer.flush()
+    return out.to(query.dtype).transpose(1, 2).contiguous(), None
+
+
+def register() -> None:
+    AttentionInterface.register(NAME, kvpack_attention_forward)
+    AttentionMaskInterface.register(NAME, sdpa_mask)
+
+
+def enable(model) -> None:
+    """Compute attention on the compressed cache for `model` (switches its attention to "kvpack").
+
+    Layers that a kvpack cache does not manage keep exact SDPA semantics.
+    """
+    register()
+    model.set_attn_implementation(NAME)
+
+
+def disable(model, implementation: str = "sdpa") -> None:
+    """Restore a standard attention implementation."""
+    model.set_attn_implementation(implementation)

@@ -1,0 +1,300 @@
+"""Shard's key codec: RoPE undone, PCA basis, DP-allocated coefficient widths, scores on the coefficients.
+
+Shard blog §3, §5, §9 (https://krishgarg.com/shard); KVTC (arXiv:2511.01815) for PCA + DP bits on
+un-RoPEd keys. Keys `(batch, kv_heads, tokens, head_dim)` arrive RoPE'd; the codec undoes RoPE with
+the model's own `inv_freq` / `attention_scaling`, where a layer's keys lie close to a low-dimensional
+subspace that RoPE's per-token rotation hides. `fit` learns, per layer (or per kv head):
+- a mean and an orthonormal basis (exact float64 eigendecomposition), stored as int8 with an fp16
+  scale per column (component);
+- a width per group of `group_size` components from {0, 2, 4, 6, 8} bits under the budget
+  `bits * rank`, by DP with a penalty that makes dropping a direction costlier than quantizing it;
+- an fp16 scale per component (symmetric levels `[-(2^(b-1)-1), 2^(b-1)-1]`, e.g. [-7, 7] at 4 bits)
+  chosen to minimize squared error on the fitted keys.
+A token is then its bit-packed coefficient codes: `Σ bits` per token for the whole layer.
+
+`scores` never rebuilds K: with un-RoPEd query halves `a, b` and basis halves `B_c, B_d`,
+`A = a B_c + b B_d` and `B* = b B_c - a B_d` (per pair, per component) are contracted with the
+integer coefficient levels and mixed with `cos/sin(θ_i Δ)` (`primitives/rope.py`), plus the mean's
+term. Cost per key token is `q_heads * head_dim * rank` multiply-adds, `kv_heads` (per-layer scope)
+times more than rebuilding K would take: the price of never materializing it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+
+from ..primitives.packing import pack_bits, packed_length, unpack_bits
+from ..primitives.pca import allocate_bits, group_variances, pca, rank_for_energy
+from ..primitives.rope import apply_rope, mix_pairs, relative_cos_sin, rope_cos_sin, undo_rope
+from ..primitives.validation import check_query
+from .base import Codec, Packed, group_query
+
+_CHUNK_ELEMENTS = 1 << 22  # float32 entries of the largest temporary in `scores` (16 MiB)
+_CLIP_RATIOS = torch.linspace(0.1, 1.0, 19)  # candidate coefficient ranges, as fractions of the absmax
+
+
+class PCAScope(str, Enum):
+    """Which keys share one basis."""
+
+    LAYER = "layer"  # one basis over all kv heads' keys concatenated: captures cross-head correlation (blog §5)
+    HEAD = "head"  # one basis per kv head: `kv_heads` times cheaper scores, more components for the same energy
+
+
+@dataclass(frozen=True)
+class PCAConfig:
+    """rank: components kept before allocation; None picks the smallest rank holding `energy` of the
+    un-RoPEd key variance. bits: average bits per kept component (budget = round(bits * rank) per token).
+    group_size: components per DP group. drop_penalty: error multiplier of a 0-bit (dropped) group.
+    basis_bits: 8 (int8 + fp16 column scale) or 16 (fp16). scope: `PCAScope`."""
+
+    rank: int | None = None
+    energy: float = 0.99
+    bits: float = 4.0
+    group_size: int = 16
+    drop_penalty: float = 4.0
+    basis_bits: int = 8
+    scope: PCAScope = PCAScope.LAYER
+
+    def __post_init__(self):
+        if self.rank is not None and self.rank < 1:
+            raise ValueError(f"rank must be >= 1 or None, got {self.rank}")
+        if not 0.0 < self.energy <= 1.0:
+            raise ValueError(f"energy must be in (0, 1], got {self.energy}")
+        if not 2.0 <= self.bits <= 8.0:
+            raise ValueError(f"bits (average per kept component) must be in [2, 8], got {self.bits}")
+        if self.group_size < 1:
+            raise ValueError(f"group_size must be >= 1, got {self.group_size}")
+        if self.drop_penalty < 0:
+            raise ValueError(f"drop_penalty must be >= 0, got {self.drop_penalty}")
+        if self.basis_bits not in (8, 16):
+            raise ValueError(f"basis_bits must be 8 or 16, got {self.basis_bits}")
+        try:
+            object.__setattr__(self, "scope", PCAScope(self.scope))
+        except ValueError:
+            raise ValueError(f"scope must be one of {[s.value for s in PCAScope]}, got {self.scope!r}") from None
+
+
+@dataclass
+class PCAPacked(Packed):
+    codes: torch.Tensor  # (batch, groups, tokens, bytes) uint8; groups = 1 (layer scope) or kv_heads
+
+
+@dataclass(frozen=True)
+class _Rope:
+    """The model's rotary parameters: borrowed, not codec state (kept out of `state_nbytes`)."""
+
+    inv_freq: torch.Tensor
+    scaling: float
+
+
+class PCAKeyCodec(Codec):
+    name = "pca"
+    uses_positions = True
+
+    def __init__(self, config: PCAConfig, head_dim: int, kv_heads: int, layer_idx: int = 0):
+        super().__init__(config, head_dim, kv_heads, layer_idx)
+        if head_dim % 2:
+            raise ValueError(f"rotate-half RoPE needs an even head_dim, got {head_dim}")
+        self.groups = 1 if config.scope is PCAScope.LAYER else kv_heads
+        self.group_dim = kv_heads * head_dim // self.groups
+        # Until `set_rope`, keys are taken as RoPE-free: zero frequencies make RoPE the identity.
+        self.rope = _Rope(torch.zeros(head_dim // 2), 1.0)
+        self.rope_set = False
+        self.mean: torch.Tensor | None = None  # (groups, group_dim) float16
+        self.basis: torch.Tensor | None = None  # (groups, group_dim, rank) int8 (or float16)
+        self.basis_scale: torch.Tensor | None = None  # (groups, rank) float16; None for an fp16 basis
+        self.coef_scale: torch.Tensor | None = None  # (groups, rank) float16
+        self.segments: tuple[tuple[int, int], ...] = ()  # (components, bits) of consecutive kept components
+
+    # -- RoPE and layout -----------------------------------------------------------------------
+    def set_rope(self, inv_freq: torch.Tensor, attention_scaling: float = 1.0) -> None:
+        if inv_freq.shape != (self.head_dim // 2,):
+            raise ValueError(f"inv_freq must have shape ({self.head_dim // 2},), got {tuple(inv_freq.shape)}")
+        self.rope = _Rope(inv_freq.detach().float().cpu(), float(attention_scaling))
+        self.rope_set = True
+
+    def _cos_sin(self, positions: torch.Tensor | None, batch: int, tokens: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        if positions is None:
+            if self.rope_set:
+                raise ValueError("this codec undoes RoPE: pass positions (batch, tokens) to encode/decode/scores")
+            positions = torch.zeros(batch, tokens, dtype=torch.long, device=device)
+        if positions.shape != (batch, tokens):
+            raise ValueError(f"positions must have shape ({batch}, {tokens}), got {tuple(positions.shape)}")
+        return rope_cos_sin(positions, self.rope.inv_freq.to(device), self.rope.scaling)
+
+    def _positions(self, positions: torch.Tensor | None, batch: int, tokens: int, device) -> torch.Tensor:
+        if positions is None:
+            self._cos_sin(None, batch, tokens, device)  # raises when RoPE is set
+            return torch.zeros(batch, tokens, dtype=torch.long, device=device)
+        return positions
+
+    def _to_groups(self, x: torch.Tensor) -> torch.Tensor:
+        """`(batch, kv_heads, tokens, d)` -> `(batch, groups, tokens, group_dim)`."""
+        b, _, t, _ = x.shape
+        return x.transpose(1, 2).reshape(b, t, self.groups, self.group_dim).transpose(1, 2)
+
+    def _from_groups(self, y: torch.Tensor) -> torch.Tensor:
+        b, _, t, _ = y.shape
+        return y.transpose(1, 2).reshape(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+
+    def _unroped(self, x: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+        self._check(x)
+        cos, sin = self._cos_sin(positions, x.shape[0], x.shape[2], x.device)
+        return self._to_groups(undo_rope(x.float(), cos, sin))
+
+    # -- fitted state ---------------------------------------------------------------------------
+    @property
+    def fitted(self) -> bool:
+        return self.basis is not None
+
+    @property
+    def rank(self) -> int:
+        """Components actually stored (the DP's dropped groups excluded)."""
+        return sum(n for n, _ in self.segments)
+
+    def _basis(self, device=None) -> torch.Tensor:
+        """Dequantized basis `(groups, group_dim, rank)` float32."""
+        basis = self.basis.float()
+        if self.basis_scale is not None:
+            basis = basis * self.basis_scale.float().unsqueeze(1)
+        return basis.to(device)
+
+    def _qmax(self) -> torch.Tensor:
+        """Largest code magnitude of every stored component `(rank,)`."""
+        return torch.cat([torch.full((n,), (1 << (bits - 1)) - 1, dtype=torch.float32) for n, bits in self.segments] or [torch.zeros(0)])
+
+    def fit(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> None:
+        """Basis, bit allocation and scales from keys `x (batch, kv_heads, tokens, head_dim)` (RoPE'd)."""
+        cfg = self.config
+        x0 = self._unroped(x, positions)
+        samples = x0.transpose(0, 1).reshape(self.groups, -1, self.group_dim).cpu()
+        result = pca(samples)
+        rank = min(cfg.rank, self.group_dim) if cfg.rank is not None else rank_for_energy(result.variances, cfg.energy)
+        # One allocation for all groups (a per-head basis shares it), so every token packs to the same bytes.
+        variances = group_variances(result.variances[:, :rank].sum(0), cfg.group_size)
+        sizes = [min(cfg.group_size, rank - i) for i in range(0, rank, cfg.group_size)]
+        alloc = allocate_bits(variances, sizes, round(cfg.bits * rank), drop_penalty=cfg.drop_penalty)
+        starts = [i * cfg.group_size for i in range(len(sizes))]
+        kept = [c for s, n, b in zip(starts, sizes, alloc) if b for c in range(s, s + n)]
+        self.segments = tuple((n, b) for n, b in zip(sizes, alloc) if b)
+        basis = result.basis[:, :, kept]
+        if cfg.basis_bits == 8:
+            scale = (basis.abs().amax(1) / 127).clamp_min(1e-8).half()  # (groups, rank)
+            self.basis = (basis / scale.float().unsqueeze(1)).round_().clamp_(-127, 127).to(torch.int8)
+            self.basis_scale = scale
+        else:
+            self.basis, self.basis_scale = basis.half(), None
+        self.mean = result.mean.half()
+        coefs = self._project(x0.cpu())
+        self.coef_scale = self._fit_scales(coefs.transpose(0, 1).reshape(self.groups, -1, self.rank))
+
+    def _project(self, x0: torch.Tensor) -> torch.Tensor:
+        """Least-squares coefficients against the *dequantized* basis: `(b, groups, t, D) -> (b, groups, t, rank)`."""
+        basis = self._basis(x0.device).double()
+        proj = basis @ torch.linalg.pinv(basis.transpose(1, 2) @ basis)  # (groups, D, rank)
+        centered = x0 - self.mean.float().to(x0.device)[None, :, None]
+        return centered @ proj.float()
+
+    def _fit_scales(self, coefs: torch.Tensor) -> torch.Tensor:
+        """Per-component fp16 scale minimizing squared quantization error: `coefs (groups, N, rank)`."""
+        qmax = self._qmax()
+        absmax = coefs.abs().amax(1).clamp_min(1e-8)  # (groups, rank)
+        best, best_err = None, None
+        for ratio in _CLIP_RATIOS.tolist():
+            scale = (absmax * ratio / qmax).half().float()
+            err = (coefs - (coefs / scale.unsqueeze(1)).round().clamp(-qmax, qmax) * scale.unsqueeze(1)).square().sum(1)
+            if best is None:
+                best, best_err = scale, err
+            else:
+                better = err < best_err
+                best, best_err = torch.where(better, scale, best), torch.where(better, err, best_err)
+        return best.half()
+
+    # -- encode / decode ------------------------------------------------------------------------
+    def encode(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> PCAPacked:
+        if not self.fitted:
+            self.fit(x, positions)
+        x0 = self._unroped(x, positions)
+        coefs = self._project(x0)  # (b, groups, t, rank)
+        qmax, scale = self._qmax().to(x.device), self.coef_scale.float().to(x.device)[None, :, None]
+        levels = (coefs / scale).round_().clamp_(-qmax, qmax) + qmax  # offset to unsigned codes
+        parts, start = [], 0
+        for n, bits in self.segments:
+            parts.append(pack_bits(levels[..., start : start + n].to(torch.uint8), bits))
+            start += n
+        codes = torch.cat(parts, -1) if parts else torch.zeros(*levels.shape[:-1], 0, dtype=torch.uint8, device=x.device)
+        return PCAPacked(x.shape[2], codes)
+
+    def _levels(self, codes: torch.Tensor) -> torch.Tensor:
+        """Signed integer levels `(b, groups, t, rank)` float32 from packed codes."""
+        parts, start = [], 0
+        for n, bits in self.segments:
+            nbytes = packed_length(n, bits)
+            parts.append(unpack_bits(codes[..., start : start + nbytes], bits, n))
+            start += nbytes
+        if not parts:
+            return codes.new_zeros(*codes.shape[:-1], 0, dtype=torch.float32)
+        return torch.cat(parts, -1).float() - self._qmax().to(codes.device)
+
+    def decode(self, packed: PCAPacked, positions: torch.Tensor | None = None) -> torch.Tensor:
+        coefs = self._levels(packed.codes) * self.coef_scale.float().to(packed.codes.device)[None, :, None]
+        x0 = coefs @ self._basis(coefs.device).transpose(1, 2) + self.mean.float().to(coefs.device)[None, :, None]
+        keys = self._from_groups(x0)
+        cos, sin = self._cos_sin(positions, keys.shape[0], keys.shape[2], keys.device)
+        return apply_rope(keys, cos, sin)
+
+    # -- attention on the coefficients ----------------------------------------------------------
+    def scores(
+        self,
+        query: torch.Tensor,
+        packed: PCAPacked,
+        query_positions: torch.Tensor | None = None,
+        key_positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Raw <RoPE(q), RoPE(k)> `(batch, q_heads, q_len, tokens)` from the coefficient codes (blog §9)."""
+        check_query(query, self.kv_heads, self.head_dim)
+        b, q_heads, q_len, d = query.shape
+        device, tokens = query.device, packed.num_tokens
+        cos, sin = self._cos_sin(query_positions, b, q_len, device)
+        q0 = undo_rope(query.float(), cos, sin) * self.rope.scaling**2  # <RoPE q, RoPE k> = s² <q0, R(Δ) k0>
+        q_pos = self._positions(query_positions, b, q_len, device)
+        k_pos = self._positions(key_positions, b, tokens, device)
+        q_step = max(1, _CHUNK_ELEMENTS // max(1, b * q_heads * d * max(self.rank, 1)))
+        out = []
+        for qs in range(0, q_len, q_step):
+            chunk = slice(qs, qs + q_step)
+            out.append(self._scores_chunk(q0[:, :, chunk], q_pos[:, chunk], packed.codes, k_pos))
+        return torch.cat(out, 2)
+
+    def _scores_chunk(self, q0: torch.Tensor, q_pos: torch.Tensor, codes: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+        b, q_heads, q_len, d = q0.shape
+        half, groups, per = d // 2, self.groups, self.kv_heads // self.groups
+        rows = q_heads // self.kv_heads * q_len
+        # q: (b, groups, heads per group, rows, d/2) halves, rows = (query head in kv group, query position)
+        a, bb = group_query(q0, self.kv_heads).reshape(b, groups, per, rows, d).chunk(2, dim=-1)
+        # Basis halves with both scales folded in: (groups, heads per group, d/2, rank).
+        basis = (self._basis(q0.device) * self.coef_scale.float().to(q0.device).unsqueeze(1)).reshape(groups, per, d, -1)
+        bc, bd = basis[:, :, :half].unsqueeze(0).unsqueeze(3), basis[:, :, half:].unsqueeze(0).unsqueeze(3)
+        a_, b_ = a.unsqueeze(-1), bb.unsqueeze(-1)
+        ab = torch.stack((a_ * bc + b_ * bd, b_ * bc - a_ * bd), dim=-3)  # (b, g, per, rows, 2, d/2, rank)
+        mean = self.mean.float().to(q0.device).reshape(1, groups, per, 1, d)
+        mc, md = mean[..., :half], mean[..., half:]
+        bias = torch.stack((a * mc + bb * md, bb * mc - a * md), dim=-2)  # (b, g, per, rows, 2, d/2)
+        width = per * rows * d
+        ab, bias = ab.reshape(b * groups, width, -1).transpose(1, 2), bias.reshape(b * groups, 1, width)
+        step = max(1, _CHUNK_ELEMENTS // max(1, b * groups * width))
+        out = []
+        for ts in range(0, k_pos.shape[1], step):
+            levels = self._levels(codes[:, :, ts : ts + step]).reshape(b * groups, -1, ab.shape[1])
+            uv = torch.baddbmm(bias, levels, ab)  # (b*g, t, width): per-pair u and v, mean included
+            t = levels.shape[1]
+            uv = uv.reshape(b, groups, t, per, rows // q_len, q_len, 2, half)
+            delta = k_pos[:, ts : ts + step, None] - q_pos[:, None, :]  # (b, t, q_len)
+            cos_d, sin_d = relative_cos_sin(delta, self.rope.inv_freq.to(q0.device))
+            cos_d, sin_d = cos_d[:, None, :, None, None], sin_d[:, None, :, None, None]
+            mixed = mix_pairs(uv[..., 0, :], uv[..., 1, :], cos_d, sin_d)  # (b, g, t, per, group, q_len)
+            out.append(mixed.permute(0, 1, 3, 4, 5, 2).reshape(b, q_heads, q_len, t))
+        return torch.cat(out, -1) if out else q0.new_zeros(b, q_heads, q_len, 0)

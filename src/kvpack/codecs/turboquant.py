@@ -1,0 +1,182 @@
+"""TurboQuant: random rotation + Lloyd-Max scalar codes, with an optional 1-bit QJL residual.
+
+Zandieh, Daliri, Hadian, Mirrokni, "TurboQuant: Online Vector Quantization with Near-optimal
+Distortion Rate" (arXiv:2504.19874). Each vector is split into its norm (fp16) and direction;
+the direction is rotated by a seeded Haar matrix Π, after which every coordinate follows the
+known Beta marginal, and each coordinate gets a `bits`-bit Lloyd-Max code (Algorithm 1, the MSE
+quantizer). With `qjl=True` the MSE stage uses `bits - 1` bits and the residual r = x - x̂ gets a
+1-bit QJL sketch plus its fp16 norm (Algorithm 2): inner products become unbiased.
+
+Layout per vector (d = head_dim, b = MSE bits): norm fp16 (2 B) + ceil(d·b/8) B of codes
+[+ residual norm fp16 (2 B) + ceil(d/8) B of signs]. d=128, 2+1 bits: 2 + 32 + 2 + 16 = 52 B.
+
+The QJL sketch acts on the *rotated* residual: S' = S·Πᵀ has the same distribution as S (rows
+Gaussian, orthogonalized), so sampling S' directly costs nothing and lets scores and weighted
+sums stay in the rotated space: one query rotation per call, one inverse rotation per output.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..primitives.lloyd_max import DISTRIBUTIONS, Codebook, lloyd_max_codebook
+from ..primitives.packing import pack_bits, unpack_bits
+from ..primitives.qjl import qjl_matrix
+from ..primitives.rotation import derive_seed, hadamard_matrix, random_orthogonal, random_signs
+from ..primitives.validation import check_query
+from .base import Codec, Packed, group_query, ungroup
+
+ROTATIONS = ("qr", "hadamard")
+
+
+@dataclass(frozen=True)
+class TurboQuantConfig:
+    """bits: total bits per coordinate, 1-4 (with `qjl`, bits - 1 for the MSE codes + 1 sign bit).
+
+    qjl: add the 1-bit QJL residual stage (unbiased inner products; meant for keys).
+    rotation: "qr" (dense Haar, exact Beta marginals) | "hadamard" (randomized Hadamard,
+        block-diagonal for non-power-of-two head dims; marginals only approximately Beta).
+    codebook: "beta" (exact coordinate density) | "gaussian" (N(0, 1/d) approximation).
+    seed: base seed; each (layer, head) derives its own rotation and sketch from it.
+    """
+
+    bits: int = 4
+    qjl: bool = False
+    rotation: str = "qr"
+    codebook: str = "beta"
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.bits not in (1, 2, 3, 4):
+            raise ValueError(f"bits must be one of (1, 2, 3, 4), got {self.bits!r}")
+        if not isinstance(self.qjl, bool):
+            raise ValueError(f"qjl must be True or False, got {self.qjl!r}")
+        if self.rotation not in ROTATIONS:
+            raise ValueError(f"rotation must be one of {ROTATIONS}, got {self.rotation!r}")
+        if self.codebook not in DISTRIBUTIONS:
+            raise ValueError(f"codebook must be one of {DISTRIBUTIONS}, got {self.codebook!r}")
+
+    @property
+    def mse_bits(self) -> int:
+        return self.bits - 1 if self.qjl else self.bits
+
+
+@dataclass
+class TurboQuantPacked(Packed):
+    norm: torch.Tensor  # (batch, kv_heads, tokens, 1) float16, ||x||
+    codes: torch.Tensor  # (batch, kv_heads, tokens, ceil(d * mse_bits / 8)) uint8, bit-packed indices
+    residual_norm: torch.Tensor | None = None  # (batch, kv_heads, tokens, 1) float16, ||x - x̂|| (qjl only)
+    signs: torch.Tensor | None = None  # (batch, kv_heads, tokens, ceil(d / 8)) uint8, sign(S' Π r) (qjl only)
+
+
+def head_rotations(kind: str, dim: int, kv_heads: int, seed: int, layer_idx: int) -> torch.Tensor:
+    """`(kv_heads, dim, dim)` float32 rotations Π (rotate rows with `x @ Π.mT`), one per (layer, head)."""
+    seeds = [derive_seed(seed, layer_idx, h) for h in range(kv_heads)]
+    if kind == "qr":
+        return torch.stack([random_orthogonal(dim, s) for s in seeds])
+    return torch.stack([hadamard_matrix(dim, random_signs(dim, s)) for s in seeds])
+
+
+def norm_and_direction(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`||x||` `(..., 1)` and `x / ||x||`; a zero vector keeps norm 0 and direction 0."""
+    norm = x.norm(dim=-1, keepdim=True)
+    return norm, x / norm.clamp_min(torch.finfo(torch.float32).tiny)
+
+
+class TurboQuantCodec(Codec):
+    name = "turboquant"
+
+    def __init__(self, config: TurboQuantConfig, head_dim: int, kv_heads: int, layer_idx: int = 0):
+        super().__init__(config, head_dim, kv_heads, layer_idx)
+        self.mse_bits = config.mse_bits
+        self.codebook: Codebook | None = lloyd_max_codebook(head_dim, self.mse_bits, config.codebook) if self.mse_bits else None
+        self._rotation: torch.Tensor | None = None  # (kv_heads, d, d), built on first use
+        self._sketch: torch.Tensor | None = None  # (kv_heads, d, d) S' acting on rotated residuals
+
+    # -- lazily built per-head state ------------------------------------------------------------
+    def rotation(self, device: torch.device) -> torch.Tensor:
+        if self._rotation is None:
+            self._rotation = head_rotations(self.config.rotation, self.head_dim, self.kv_heads, self.config.seed, self.layer_idx)
+        if self._rotation.device != device:
+            self._rotation = self._rotation.to(device)
+        return self._rotation
+
+    def sketch(self, device: torch.device) -> torch.Tensor:
+        if self._sketch is None:
+            # A seed stream disjoint from the rotation's: derive again from the head's rotation seed.
+            seeds = [derive_seed(derive_seed(self.config.seed, self.layer_idx, h), 1, 0) for h in range(self.kv_heads)]
+            self._sketch = torch.stack([qjl_matrix(self.head_dim, self.head_dim, s) for s in seeds])
+        if self._sketch.device != device:
+            self._sketch = self._sketch.to(device)
+        return self._sketch
+
+    def _centroids(self, packed: TurboQuantPacked) -> torch.Tensor:
+        """Rotated-space unit reconstruction c[idx] `(batch, kv, tokens, d)` float32, read from codes."""
+        shape = (*packed.codes.shape[:3], self.head_dim)
+        if self.codebook is None:
+            return packed.codes.new_zeros(shape, dtype=torch.float32)
+        idx = unpack_bits(packed.codes, self.mse_bits, self.head_dim)
+        return self.codebook.lookup(idx)
+
+    def _signs(self, packed: TurboQuantPacked) -> torch.Tensor:
+        return unpack_bits(packed.signs, 1, self.head_dim).float() * 2 - 1
+
+    # -- codec interface ---------------------------------------------------------------------------
+    def encode(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> TurboQuantPacked:
+        self._check(x)
+        x = x.float()
+        norm, unit = norm_and_direction(x)
+        y = unit @ self.rotation(x.device).mT  # (b, kv, t, d) rotated unit vectors
+        norm16 = norm.half()
+        if self.codebook is None:
+            codes = torch.empty(*x.shape[:3], 0, dtype=torch.uint8, device=x.device)
+            y_hat = torch.zeros_like(y)
+        else:
+            idx = self.codebook.quantize(y)
+            codes = pack_bits(idx, self.mse_bits)
+            y_hat = self.codebook.lookup(idx)
+        if not self.config.qjl:
+            return TurboQuantPacked(x.shape[2], norm16, codes)
+        # Residual in the original scale against what decode will actually produce (fp16 norm).
+        r = norm * y - norm16.float() * y_hat  # rotated residual Π(x - x̂)
+        bits = (r @ self.sketch(x.device).mT >= 0).to(torch.uint8)
+        return TurboQuantPacked(x.shape[2], norm16, codes, r.norm(dim=-1, keepdim=True).half(), pack_bits(bits, 1))
+
+    def _decode_rotated(self, packed: TurboQuantPacked) -> torch.Tensor:
+        y = packed.norm.float() * self._centroids(packed)
+        if packed.signs is not None:
+            coef = math.sqrt(math.pi / 2) / self.head_dim * packed.residual_norm.float()
+            y = y + coef * (self._signs(packed) @ self.sketch(y.device))
+        return y
+
+    def decode(self, packed: TurboQuantPacked, positions: torch.Tensor | None = None) -> torch.Tensor:
+        y = self._decode_rotated(packed)
+        return y @ self.rotation(y.device)  # Πᵀ applied to rows
+
+    def scores(self, query: torch.Tensor, packed: TurboQuantPacked, query_positions=None, key_positions=None) -> torch.Tensor:
+        """<q, k̂> = ||k|| <Πq, c[idx]> (+ sqrt(pi/2)/d ||r|| <S'Πq, signs>), query rotated once.
+
+        The centroid gather is a float tensor in the rotated space; on CPU one dense matmul
+        against it beats a per-coordinate lookup table (which torch can only do as a gather
+        of rows × tokens × d elements).
+        """
+        check_query(query, self.kv_heads, self.head_dim)
+        q = group_query(query.float(), self.kv_heads) @ self.rotation(query.device).mT  # (b, kv, rows, d)
+        out = (q @ self._centroids(packed).mT) * packed.norm.float().mT  # (b, kv, rows, t)
+        if packed.signs is not None:
+            qs = q @ self.sketch(q.device).mT
+            coef = math.sqrt(math.pi / 2) / self.head_dim * packed.residual_norm.float().mT
+            out = out + (qs @ self._signs(packed).mT) * coef
+        return ungroup(out, query.shape[1])
+
+    def weighted_sum(self, probs: torch.Tensor, packed: TurboQuantPacked) -> torch.Tensor:
+        """Σ p·||v||·c[idx] accumulated in the rotated space, then one inverse rotation per head."""
+        p = group_query(probs.float(), self.kv_heads)  # (b, kv, rows, t)
+        acc = (p * packed.norm.float().mT) @ self._centroids(packed)
+        if packed.signs is not None:
+            coef = math.sqrt(math.pi / 2) / self.head_dim * packed.residual_norm.float().mT
+            acc = acc + ((p * coef) @ self._signs(packed)) @ self.sketch(acc.device)
+        return ungroup(acc @ self.rotation(acc.device), probs.shape[1])

@@ -1,0 +1,135 @@
+"""Run every metric for a list of methods on one model and one text; one JSON-ready row per method.
+
+Per method, three passes over the same real tokens, each with a fresh cache:
+1. prefill `context` tokens (timed) -> memory report -> `fidelity_steps` teacher-forced decode steps
+   with the attention outputs captured -> `decode_tokens` greedy steps (timed);
+2. perplexity: prefill `context` tokens, score the next `ppl_tokens` in chunks of `chunk`;
+3. needle grid: lengths x depths, one fresh cache per trial.
+The uncompressed `dynamic` baseline always runs first; deltas and ratios are taken against it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+from tqdm.auto import tqdm
+
+from ..models import DEFAULT_MODEL
+from ..text import token_stream
+from . import fidelity, needle
+from .memory import memory_report
+from .methods import BASELINE, MethodUnavailable, attention_for, make_cache
+from .perplexity import PerplexityResult, delta, perplexity
+from .speed import measure_speed, warmup
+
+DEFAULT_COMPARE = ["fp16", "kivi:2", "turboquant:k3v3", "hf-quanto:4", "hf-hqq:4", "dynamic"]
+
+
+@dataclass
+class EvalConfig:
+    """What to measure. needle_lengths None means (context // 2, context)."""
+
+    model: str = DEFAULT_MODEL
+    methods: list[str] = field(default_factory=lambda: ["turboquant:k4v4"])
+    context: int = 2048
+    ppl_tokens: int = 2048
+    chunk: int = 256
+    needle_lengths: list[int] | None = None
+    needle_depths: list[float] = field(default_factory=lambda: [0.1, 0.5, 0.9])
+    needle_tokens: int = 10
+    decode_tokens: int = 32
+    fidelity_steps: int = 8
+    text: str = "news"
+    dtype: str = "float32"
+    seed: int = 0
+    needle: bool = True
+
+    def __post_init__(self):
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.context < 16 or self.ppl_tokens < 1 or self.chunk < 1:
+            raise ValueError(f"need context >= 16, ppl_tokens >= 1, chunk >= 1; got {self.context}, {self.ppl_tokens}, {self.chunk}")
+        if not all(0.0 <= d <= 1.0 for d in self.needle_depths):
+            raise ValueError(f"needle depths must be in [0, 1], got {self.needle_depths}")
+
+    @property
+    def lengths(self) -> list[int]:
+        return self.needle_lengths or sorted({self.context // 2, self.context})
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+
+def evaluate_method(model, tokenizer, method: str, cfg: EvalConfig, ids: torch.Tensor, progress: bool = True) -> dict:
+    """All metrics for one method. The row's "attention" holds raw per-layer outputs (dropped before JSON)."""
+    start = time.perf_counter()
+    new_cache = lambda: make_cache(model, method)  # noqa: E731
+    probe: dict = {}
+
+    def after_prefill(cache):
+        probe["memory"] = memory_report(cache, model.config)
+        probe["attention"], logits = fidelity.capture_attention(model, cache, ids[cfg.context : cfg.context + cfg.fidelity_steps])
+        return logits
+
+    with attention_for(model, method):
+        warmup(model, new_cache)
+        speed = measure_speed(model, ids[: cfg.context], new_cache(), cfg.decode_tokens, after_prefill, progress)
+        ppl = perplexity(model, ids, new_cache(), cfg.context, cfg.chunk, cfg.ppl_tokens, progress=progress)
+        trials = (
+            needle.needle_grid(model, tokenizer, new_cache, cfg.lengths, cfg.needle_depths, cfg.text, cfg.seed, cfg.needle_tokens, progress)
+            if cfg.needle
+            else []
+        )
+    mem = probe["memory"]
+    found, total = needle.recall(trials)
+    return {
+        "model": cfg.model, "method": method, "context": cfg.context, "status": "ok",
+        "tokens": mem["tokens"], "total_bytes": mem["total_bytes"], "fp16_bytes": mem["fp16_bytes"],
+        "bytes_per_token": mem["bytes_per_token"], "ratio_vs_fp16": mem["fp16_bytes"] / mem["total_bytes"],
+        "ppl": ppl.ppl, "nll": ppl.nll, "ppl_tokens": ppl.tokens, "chunk": ppl.chunk,
+        "needle_found": found, "needle_total": total, "needle": [t.as_dict() for t in trials],
+        **{k: v for k, v in speed.as_dict().items() if k != "prompt_tokens"},
+        "attention": probe["attention"], "seconds": time.perf_counter() - start,
+        "text": cfg.text, "dtype": cfg.dtype,
+    }
+
+
+def _with_deltas(row: dict, base: dict) -> dict:
+    if row["status"] != "ok" or base.get("status") != "ok":
+        return row
+    result = PerplexityResult(row["ppl"], row["nll"], row["ppl_tokens"], row["context"], row["chunk"])
+    reference = PerplexityResult(base["ppl"], base["nll"], base["ppl_tokens"], base["context"], base["chunk"])
+    row["ppl_delta_pct"], row["ppl_delta_abs"] = delta(result, reference)
+    row["decode_ratio"] = row["decode_tok_s"] / base["decode_tok_s"]
+    layers = fidelity.compare_outputs(base["attention"], row["attention"])
+    row["fidelity"] = layers
+    row.update(fidelity.summarize(layers))
+    return row
+
+
+def run(model, tokenizer, cfg: EvalConfig, progress: bool = True, log=print) -> list[dict]:
+    """Rows for the baseline and every method in cfg.methods (unavailable ones reported, not raised)."""
+    n_tokens = cfg.context + max(cfg.ppl_tokens, cfg.fidelity_steps) + 1
+    ids = token_stream(tokenizer, cfg.text, n_tokens)
+    methods = [BASELINE] + [m for m in cfg.methods if m != BASELINE]
+    rows = []
+    for method in tqdm(methods, desc="methods", unit="method", disable=not progress):
+        try:
+            rows.append(evaluate_method(model, tokenizer, method, cfg, ids, progress))
+            log(f"  {method}: done in {rows[-1]['seconds']:.0f} s")
+        except MethodUnavailable as err:
+            rows.append({"model": cfg.model, "method": method, "context": cfg.context, "status": f"unavailable: {err}"})
+            log(f"  {method}: unavailable: {err}")
+    rows = [_with_deltas(row, rows[0]) for row in rows]
+    for row in rows:
+        row.pop("attention", None)
+        row["baseline"] = row["method"] == BASELINE
+        row["requested"] = row["method"] in cfg.methods
+    return rows
+
+
+def config_dict(cfg: EvalConfig) -> dict:
+    return {**asdict(cfg), "needle_lengths": cfg.lengths}

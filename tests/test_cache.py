@@ -1,0 +1,188 @@
+"""The drop-in cache: exactness of lossless methods against DynamicCache, generation features,
+compressed-domain attention against a plain-softmax reference, and memory accounting."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import DynamicCache, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+import kvpack
+from kvpack.attention import segmented_attention
+from kvpack.cache import KVPackLayer
+from kvpack.registry import get_method, list_methods
+
+SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=4, max_position_embeddings=4096)
+
+
+def _tiny(kind: str):
+    torch.manual_seed(0)
+    if kind == "llama":
+        return LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, num_key_value_heads=2, **SMALL)).eval()
+    if kind == "qwen2":
+        return Qwen2ForCausalLM(Qwen2Config(num_hidden_layers=2, num_key_value_heads=1, **SMALL)).eval()
+    cfg = Gemma3TextConfig(num_hidden_layers=3, num_key_value_heads=1, head_dim=32, sliding_window=32, sliding_window_pattern=3, **SMALL)
+    return Gemma3ForCausalLM(cfg).eval()
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "gemma3"])
+def tiny(request):
+    model = _tiny(request.param)
+    yield model
+    kvpack.disable(model)
+
+
+def _generate(model, ids, cache, enabled: bool, **kwargs):
+    (kvpack.enable if enabled else kvpack.disable)(model)
+    try:
+        return model.generate(ids, past_key_values=cache, max_new_tokens=kwargs.pop("max_new_tokens", 64), **kwargs)
+    finally:
+        kvpack.disable(model)
+
+
+@pytest.mark.parametrize("method", ["fp16", "int8"])
+@pytest.mark.parametrize("enabled", [False, True])
+def test_lossless_methods_reproduce_dynamic_cache_greedy(tiny, method, enabled):
+    ids = torch.randint(0, 128, (1, 260), generator=torch.Generator().manual_seed(1))
+    ref = tiny.generate(ids, past_key_values=DynamicCache(config=tiny.config), max_new_tokens=64, do_sample=False)
+    out = _generate(tiny, ids, kvpack.KVCache(tiny, method), enabled, do_sample=False)
+    assert torch.equal(out, ref)
+
+
+def test_left_padded_batch_matches_dynamic_cache(tiny):
+    ids = torch.randint(1, 128, (2, 230), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    ids[1, :37], mask[1, :37] = 0, 0  # row 1 is left padded
+    ref = tiny.generate(ids, attention_mask=mask, past_key_values=DynamicCache(config=tiny.config), max_new_tokens=32, do_sample=False)
+    out = _generate(tiny, ids, kvpack.KVCache(tiny, "fp16"), True, attention_mask=mask, max_new_tokens=32, do_sample=False)
+    assert torch.equal(out, ref)
+
+
+def test_beam_search_matches_dynamic_cache(tiny):
+    ids = torch.randint(0, 128, (1, 150), generator=torch.Generator().manual_seed(3))
+    ref = tiny.generate(ids, past_key_values=DynamicCache(config=tiny.config), max_new_tokens=24, num_beams=3, do_sample=False)
+    out = _generate(tiny, ids, kvpack.KVCache(tiny, "fp16"), True, max_new_tokens=24, num_beams=3, do_sample=False)
+    assert torch.equal(out, ref)
+
+
+def test_sampling_matches_dynamic_cache_with_same_seed(tiny):
+    ids = torch.randint(0, 128, (1, 140), generator=torch.Generator().manual_seed(4))
+    torch.manual_seed(11)
+    ref = tiny.generate(ids, past_key_values=DynamicCache(config=tiny.config), max_new_tokens=32, do_sample=True, top_k=20)
+    torch.manual_seed(11)
+    out = _generate(tiny, ids, kvpack.KVCache(tiny, "fp16"), True, max_new_tokens=32, do_sample=True, top_k=20)
+    assert torch.equal(out, ref)
+
+
+def test_crop_then_continue_matches_uncropped_prefix():
+    model = _tiny("llama")
+    ids = torch.randint(0, 128, (1, 400), generator=torch.Generator().manual_seed(5))
+    kvpack.enable(model)
+    try:
+        cache = kvpack.KVCache(model, "fp16")
+        model(ids, past_key_values=cache)
+        cache.crop(-150)  # reaches past the window into compressed segments
+        assert cache.get_seq_length() == 250
+        logits = model(ids[:, 250:260], past_key_values=cache).logits
+    finally:
+        kvpack.disable(model)
+    ref = model(ids[:, :260]).logits[:, 250:260]
+    torch.testing.assert_close(logits, ref, atol=2e-3, rtol=1e-3)
+
+
+def test_assisted_generation_crops_correctly():
+    model = _tiny("llama")
+    assistant = _tiny("llama")
+    ids = torch.randint(0, 128, (1, 120), generator=torch.Generator().manual_seed(6))
+    ref = model.generate(ids, max_new_tokens=30, do_sample=False)
+    out = _generate(model, ids, kvpack.KVCache(model, "fp16"), True, assistant_model=assistant, max_new_tokens=30, do_sample=False)
+    assert torch.equal(out, ref)
+
+
+def _reference_attention(layer: KVPackLayer, q: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Plain softmax attention over the layer's dequantized K/V (an independent computation)."""
+    k, v = layer.dequantized()
+    group = q.shape[1] // k.shape[1]
+    k, v = k.float().repeat_interleave(group, 1), v.float().repeat_interleave(group, 1)
+    return torch.softmax(q.float() @ k.transpose(-1, -2) * scaling, dim=-1) @ v
+
+
+class _Cfg:
+    _attn_implementation = "kvpack"
+
+
+@pytest.mark.parametrize("method", list_methods())
+@pytest.mark.parametrize("gqa", [1, 4, 7])
+def test_compressed_attention_equals_reference_over_dequantized_cache(method, gqa):
+    torch.manual_seed(gqa)
+    b, hk, d, n = 2, 2, 64, 4 + 64 * 5 + 37
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    layer = KVPackLayer(get_method(method), 0, _Cfg(), (inv_freq, 1.0))
+    k, v = torch.randn(b, hk, n, d), torch.randn(b, hk, n, d)
+    layer.update(k, v)
+    layer.flush()
+    layer.update(torch.randn(b, hk, 1, d), torch.randn(b, hk, 1, d))  # one decode token
+    q = torch.randn(b, hk * gqa, 1, d)
+    out = segmented_attention(layer, q, None, d**-0.5)
+    torch.testing.assert_close(out, _reference_attention(layer, q, d**-0.5), atol=2e-4, rtol=1e-3)
+    assert layer.segments or method == "fp16"
+
+
+def test_memory_report_matches_hand_count():
+    torch.manual_seed(0)
+    b, hk, d = 1, 2, 64
+    layer = KVPackLayer(get_method("int8"), 0, _Cfg())
+    layer.update(torch.randn(b, hk, 300, d), torch.randn(b, hk, 300, d))
+    layer.flush()
+    # 4 sinks + 64-token blocks leave a window of 64..127 tokens: 296 -> 192 compressed, 104 in the window.
+    mem = layer.memory()
+    assert mem["sink"] == 2 * b * hk * 4 * d * 4  # fp32 K and V
+    assert mem["window"] == 2 * b * hk * 104 * d * 4
+    assert mem["stream:int8/int8"] == 2 * b * hk * 192 * (d + 2)  # int8 codes + fp16 scale per vector
+
+
+def test_cache_memory_report_ratio_is_real():
+    model = _tiny("llama")
+    cache = kvpack.KVCache(model, "int8")
+    with torch.no_grad():
+        model(torch.randint(0, 128, (1, 1000)), past_key_values=cache)
+    rep = cache.memory_report()
+    held = sum(sum(layer.memory().values()) for layer in cache.layers)
+    assert rep["total_bytes"] == held
+    assert rep["fp16_bytes"] == 2 * 1000 * 2 * 16 * 2 * 2  # layers * tokens * kv_heads * head_dim * (K+V) * 2 bytes
+    # Per layer: 4 fp32 sinks, 896 int8 tokens (head_dim 16 + fp16 scale), a 100-token fp32 window; K and V, 2 kv heads.
+    per_layer = 2 * 2 * (4 * 16 * 4 + 896 * (16 + 2) + 100 * 16 * 4)
+    assert rep["total_bytes"] == 2 * per_layer
+
+
+def test_unsupported_model_type_names_it():
+    cfg = LlamaConfig(num_hidden_layers=1, **SMALL)
+    cfg.model_type = "mamba"
+    with pytest.raises(ValueError, match="mamba"):
+        kvpack.KVCache(cfg, "int8")
+
+
+def test_unknown_method_lists_available():
+    with pytest.raises(ValueError, match="available"):
+        kvpack.KVCache(_tiny("llama"), "zip:9")
+
+
+def test_wrong_batch_after_init_is_a_clear_error():
+    layer = KVPackLayer(get_method("int8"), 0, None)
+    layer.update(torch.randn(1, 2, 10, 64), torch.randn(1, 2, 10, 64))
+    with pytest.raises(ValueError, match="fresh cache"):
+        layer.update(torch.randn(3, 2, 1, 64), torch.randn(3, 2, 1, 64))
+
+
+def test_partial_merge_is_exact_softmax():
+    from kvpack.attention import Partial
+
+    s = torch.randn(2, 3, 4, 50)
+    v = torch.randn(2, 3, 50, 8)
+    p = Partial()
+    for a, b in [(0, 20), (20, 21), (21, 50)]:
+        p.add(s[..., a:b], lambda w, a=a, b=b: w @ v[:, :, a:b])
+    torch.testing.assert_close(p.result(), torch.softmax(s, -1) @ v)
+    assert math.isfinite(float(p.result().sum()))
