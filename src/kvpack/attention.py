@@ -31,13 +31,13 @@ class Partial:
         m = scores.amax(-1, keepdim=True)
         m = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # fully masked rows contribute nothing
         p = torch.exp(scores - m)
-        l, o = p.sum(-1, keepdim=True), weighted_sum(p)
+        total, o = p.sum(-1, keepdim=True), weighted_sum(p)
         if self.m is None:
-            self.m, self.l, self.o = m, l, o
+            self.m, self.l, self.o = m, total, o
             return
         new_m = torch.maximum(self.m, m)
         a, b = torch.exp(self.m - new_m), torch.exp(m - new_m)
-        self.m, self.l, self.o = new_m, self.l * a + l * b, self.o * a + o * b
+        self.m, self.l, self.o = new_m, self.l * a + total * b, self.o * a + o * b
 
     def result(self) -> torch.Tensor:
         return self.o / self.l.clamp_min(1e-30)

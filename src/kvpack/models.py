@@ -165,7 +165,7 @@ def _load_hf_dir(path: Path, dtype: torch.dtype):
 
 
 def tiny_random_model(seed: int = 0, dtype: torch.dtype = torch.float32):
-    """A 2-layer random Llama (hidden 64, 4 heads, 2 kv heads) with a byte-level tokenizer (vocab 259)."""
+    """A 2-layer random Llama (hidden 64, 4 heads of dim 64, 2 kv heads) with a byte-level tokenizer (vocab 259)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
@@ -176,7 +176,7 @@ def tiny_random_model(seed: int = 0, dtype: torch.dtype = torch.float32):
     backend.decoder = decoders.ByteLevel()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, head_dim=64,
         num_key_value_heads=2, max_position_embeddings=4096, bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
     )

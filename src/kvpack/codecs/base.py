@@ -103,9 +103,11 @@ class Codec(ABC):
     # -- optional ------------------------------------------------------------------------------
     def set_rope(self, inv_freq: torch.Tensor, attention_scaling: float = 1.0) -> None:
         """Rotary parameters of this layer (`inv_freq: (head_dim // 2,)`), for `uses_positions` codecs."""
+        return None
 
     def fit(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> None:
         """Learn data-dependent state from `x: (batch, kv_heads, tokens, head_dim)`; default none."""
+        return None
 
     def state_nbytes(self) -> int:
         """Bytes of tensors the codec itself holds (bases, codebooks, rotations)."""

@@ -90,7 +90,9 @@ class KiviCodec(Codec):
         g, bits = self.group, self.config.bits
         if self.config.axis == "channel":
             if x.shape[2] % g:
-                raise ValueError(f"kivi axis='channel' needs a token count that is a multiple of group_size {g}, got {x.shape[2]}")
+                raise ValueError(
+                    f"kivi axis='channel' needs a token count that is a multiple of group_size {g}, got {x.shape[2]}"
+                )
             q = quantize_affine(x, bits, g, axis=-2)
             return KiviPacked(x.shape[2], pack_bits(q.codes, bits), _spread(q.scale, g), _spread(q.zero, g))
         q = quantize_affine(x, bits, g, axis=-1)

@@ -8,8 +8,8 @@ subspace that RoPE's per-token rotation hides. `fit` learns, per layer (or per k
   scale per column (component);
 - a width per group of `group_size` components from {0, 2, 4, 6, 8} bits under the budget
   `bits * rank`, by DP with a penalty that makes dropping a direction costlier than quantizing it;
-- an fp16 scale per component (symmetric levels `[-(2^(b-1)-1), 2^(b-1)-1]`, e.g. [-7, 7] at 4 bits)
-  chosen to minimize squared error on the fitted keys.
+- an fp16 absmax scale per component (symmetric levels `[-(2^(b-1)-1), 2^(b-1)-1]`, e.g. [-7, 7]
+  at 4 bits).
 A token is then its bit-packed coefficient codes: `Σ bits` per token for the whole layer.
 
 `scores` never rebuilds K: with un-RoPEd query halves `a, b` and basis halves `B_c, B_d`,
@@ -27,13 +27,27 @@ from enum import Enum
 import torch
 
 from ..primitives.packing import pack_bits, packed_length, unpack_bits
-from ..primitives.pca import allocate_bits, group_variances, pca, rank_for_energy
+from ..primitives.pca import BIT_OPTIONS, allocate_bits, group_variances, modelled_errors, pca, rank_for_energy
 from ..primitives.rope import apply_rope, mix_pairs, relative_cos_sin, rope_cos_sin, undo_rope
 from ..primitives.validation import check_query
 from .base import Codec, Packed, group_query
 
 _CHUNK_ELEMENTS = 1 << 22  # float32 entries of the largest temporary in `scores` (16 MiB)
-_CLIP_RATIOS = torch.linspace(0.1, 1.0, 19)  # candidate coefficient ranges, as fractions of the absmax
+
+
+class Allocation(str, Enum):
+    """How the DP prices a width for a component group (dropping always costs `drop_penalty * variance`)."""
+
+    MEASURED = "measured"  # squared error of the actual absmax quantizer on the fitted coefficients
+    MODEL = "model"  # blog §5 model `variance / (3 * 4^bits)`: blind to 2-bit absmax codes rounding most values to 0
+
+
+def _absmax_error(coefs: torch.Tensor, bits: int) -> float:
+    """Mean squared error per sample of symmetric `bits`-bit codes with an absmax scale per component."""
+    qmax = (1 << (bits - 1)) - 1
+    scale = (coefs.abs().amax(-2, keepdim=True) / qmax).clamp_min(1e-8)
+    err = coefs - (coefs / scale).round().clamp(-qmax, qmax) * scale
+    return float(err.double().square().sum() / coefs.shape[-2])
 
 
 class PCAScope(str, Enum):
@@ -48,15 +62,16 @@ class PCAConfig:
     """rank: components kept before allocation; None picks the smallest rank holding `energy` of the
     un-RoPEd key variance. bits: average bits per kept component (budget = round(bits * rank) per token).
     group_size: components per DP group. drop_penalty: error multiplier of a 0-bit (dropped) group.
-    basis_bits: 8 (int8 + fp16 column scale) or 16 (fp16). scope: `PCAScope`."""
+    basis_bits: 8 (int8 + fp16 column scale) or 16 (fp16). scope: `PCAScope`. allocation: `Allocation`."""
 
     rank: int | None = None
-    energy: float = 0.99
+    energy: float = 0.95
     bits: float = 4.0
     group_size: int = 16
     drop_penalty: float = 4.0
     basis_bits: int = 8
     scope: PCAScope = PCAScope.LAYER
+    allocation: Allocation = Allocation.MEASURED
 
     def __post_init__(self):
         if self.rank is not None and self.rank < 1:
@@ -71,10 +86,11 @@ class PCAConfig:
             raise ValueError(f"drop_penalty must be >= 0, got {self.drop_penalty}")
         if self.basis_bits not in (8, 16):
             raise ValueError(f"basis_bits must be 8 or 16, got {self.basis_bits}")
-        try:
-            object.__setattr__(self, "scope", PCAScope(self.scope))
-        except ValueError:
-            raise ValueError(f"scope must be one of {[s.value for s in PCAScope]}, got {self.scope!r}") from None
+        for attr, enum in (("scope", PCAScope), ("allocation", Allocation)):
+            try:
+                object.__setattr__(self, attr, enum(getattr(self, attr)))
+            except ValueError:
+                raise ValueError(f"{attr} must be one of {[e.value for e in enum]}, got {getattr(self, attr)!r}") from None
 
 
 @dataclass
@@ -164,7 +180,9 @@ class PCAKeyCodec(Codec):
 
     def _qmax(self) -> torch.Tensor:
         """Largest code magnitude of every stored component `(rank,)`."""
-        return torch.cat([torch.full((n,), (1 << (bits - 1)) - 1, dtype=torch.float32) for n, bits in self.segments] or [torch.zeros(0)])
+        return torch.cat(
+            [torch.full((n,), (1 << (bits - 1)) - 1, dtype=torch.float32) for n, bits in self.segments] or [torch.zeros(0)]
+        )
 
     def fit(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> None:
         """Basis, bit allocation and scales from keys `x (batch, kv_heads, tokens, head_dim)` (RoPE'd)."""
@@ -173,13 +191,21 @@ class PCAKeyCodec(Codec):
         samples = x0.transpose(0, 1).reshape(self.groups, -1, self.group_dim).cpu()
         result = pca(samples)
         rank = min(cfg.rank, self.group_dim) if cfg.rank is not None else rank_for_energy(result.variances, cfg.energy)
+        sizes = [min(cfg.group_size, rank - i) for i in range(0, rank, cfg.group_size)]
+        starts = [i * cfg.group_size for i in range(len(sizes))]
         # One allocation for all groups (a per-head basis shares it), so every token packs to the same bytes.
         variances = group_variances(result.variances[:, :rank].sum(0), cfg.group_size)
-        sizes = [min(cfg.group_size, rank - i) for i in range(0, rank, cfg.group_size)]
-        alloc = allocate_bits(variances, sizes, round(cfg.bits * rank), drop_penalty=cfg.drop_penalty)
-        starts = [i * cfg.group_size for i in range(len(sizes))]
-        kept = [c for s, n, b in zip(starts, sizes, alloc) if b for c in range(s, s + n)]
-        self.segments = tuple((n, b) for n, b in zip(sizes, alloc) if b)
+        if cfg.allocation is Allocation.MODEL:
+            errors = modelled_errors(variances, BIT_OPTIONS, cfg.drop_penalty)
+        else:
+            coefs = (samples - result.mean.unsqueeze(1)) @ result.basis[:, :, :rank]  # (groups, N, rank)
+            errors = [
+                {0: v * cfg.drop_penalty} | {b: _absmax_error(coefs[..., s : s + n], b) for b in BIT_OPTIONS if b}
+                for v, s, n in zip(variances, starts, sizes, strict=True)
+            ]
+        alloc = allocate_bits(errors, sizes, round(cfg.bits * rank))
+        kept = [c for s, n, b in zip(starts, sizes, alloc, strict=True) if b for c in range(s, s + n)]
+        self.segments = tuple((n, b) for n, b in zip(sizes, alloc, strict=True) if b)
         basis = result.basis[:, :, kept]
         if cfg.basis_bits == 8:
             scale = (basis.abs().amax(1) / 127).clamp_min(1e-8).half()  # (groups, rank)
@@ -188,8 +214,11 @@ class PCAKeyCodec(Codec):
         else:
             self.basis, self.basis_scale = basis.half(), None
         self.mean = result.mean.half()
+        # Absmax scales, not MSE-optimal clipping: clipping lowers the key error but clips the rare
+        # large-coefficient tokens attention targets (measured on SmolLM2: attention error 0.16 vs 0.09).
         coefs = self._project(x0.cpu())
-        self.coef_scale = self._fit_scales(coefs.transpose(0, 1).reshape(self.groups, -1, self.rank))
+        absmax = coefs.abs().amax((0, 2)).clamp_min(1e-8)  # (groups, rank)
+        self.coef_scale = (absmax / self._qmax()).half()
 
     def _project(self, x0: torch.Tensor) -> torch.Tensor:
         """Least-squares coefficients against the *dequantized* basis: `(b, groups, t, D) -> (b, groups, t, rank)`."""
@@ -197,21 +226,6 @@ class PCAKeyCodec(Codec):
         proj = basis @ torch.linalg.pinv(basis.transpose(1, 2) @ basis)  # (groups, D, rank)
         centered = x0 - self.mean.float().to(x0.device)[None, :, None]
         return centered @ proj.float()
-
-    def _fit_scales(self, coefs: torch.Tensor) -> torch.Tensor:
-        """Per-component fp16 scale minimizing squared quantization error: `coefs (groups, N, rank)`."""
-        qmax = self._qmax()
-        absmax = coefs.abs().amax(1).clamp_min(1e-8)  # (groups, rank)
-        best, best_err = None, None
-        for ratio in _CLIP_RATIOS.tolist():
-            scale = (absmax * ratio / qmax).half().float()
-            err = (coefs - (coefs / scale.unsqueeze(1)).round().clamp(-qmax, qmax) * scale.unsqueeze(1)).square().sum(1)
-            if best is None:
-                best, best_err = scale, err
-            else:
-                better = err < best_err
-                best, best_err = torch.where(better, scale, best), torch.where(better, err, best_err)
-        return best.half()
 
     # -- encode / decode ------------------------------------------------------------------------
     def encode(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> PCAPacked:

@@ -20,7 +20,8 @@ from .generate import eos_ids, forward, greedy
 
 NEEDLE = "The secret passkey is {key}. Remember it."
 QUESTION = "What is the secret passkey mentioned in the text above? Answer with the number only."
-BASE_QUESTION = "\n\nQuestion: What is the secret passkey mentioned in the text above?\nAnswer: The secret passkey is"
+ANSWER_PREFIX = "The secret passkey is"  # starts the reply, so the next tokens are the digits
+BASE_QUESTION = "\n\nQuestion: What is the secret passkey mentioned in the text above?\nAnswer: " + ANSWER_PREFIX
 
 
 @dataclass(frozen=True)
@@ -58,12 +59,16 @@ def insert_at_depth(text: str, needle: str, depth: float) -> str:
 
 
 def split_prompt(tokenizer, document: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(document ids, question ids): the chat template's user turn when the model has one, else a plain Q/A suffix."""
+    """(document ids, question ids): the chat template's user turn when the model has one, else a plain Q/A suffix.
+
+    Either way the question ends with the start of the answer ("The secret passkey is"), as in the
+    passkey-retrieval protocol, so a verbose model spends its tokens on the digits.
+    """
     if getattr(tokenizer, "chat_template", None):
         content = document + "\n\n" + QUESTION
         rendered = tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True)
         cut = rendered.index(document) + len(document)
-        head, tail = rendered[:cut], rendered[cut:]
+        head, tail = rendered[:cut], rendered[cut:] + ANSWER_PREFIX
         head_ids = tokenizer(head, add_special_tokens=False).input_ids
     else:
         tail = BASE_QUESTION

@@ -123,6 +123,11 @@ def run(model, tokenizer, cfg: EvalConfig, progress: bool = True, log=print) -> 
         except MethodUnavailable as err:
             rows.append({"model": cfg.model, "method": method, "context": cfg.context, "status": f"unavailable: {err}"})
             log(f"  {method}: unavailable: {err}")
+        except Exception as err:  # one broken method must not lose a long comparison; the row says what failed
+            if method == BASELINE:
+                raise
+            rows.append({"model": cfg.model, "method": method, "context": cfg.context, "status": f"failed: {type(err).__name__}: {err}"})
+            log(f"  {method}: failed: {type(err).__name__}: {err}")
     rows = [_with_deltas(row, rows[0]) for row in rows]
     for row in rows:
         row.pop("attention", None)

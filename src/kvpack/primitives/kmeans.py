@@ -24,10 +24,9 @@ class KMeansResult:
     distortion: torch.Tensor
 
 
-def _sqdist(x: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
-    """`(G, n, dim), (G, k, dim) -> (G, n, k)` squared Euclidean distances."""
-    cross = torch.baddbmm((centroids * centroids).sum(-1).unsqueeze(1), x, centroids.transpose(1, 2), alpha=-2.0)
-    return (cross + (x * x).sum(-1, keepdim=True)).clamp_min_(0)
+def _sqdist_shifted(x: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
+    """`(G, n, dim), (G, k, dim) -> (G, n, k)` squared distances minus `|x|²` (same argmin, one pass fewer)."""
+    return torch.baddbmm((centroids * centroids).sum(-1).unsqueeze(1), x, centroids.transpose(1, 2), alpha=-2.0)
 
 
 def assign(x: torch.Tensor, centroids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,8 +35,9 @@ def assign(x: torch.Tensor, centroids: torch.Tensor) -> tuple[torch.Tensor, torc
     step = max(1, _CHUNK_ELEMENTS // max(1, x.shape[0] * centroids.shape[1]))
     best, index = [], []
     for start in range(0, x.shape[1], step):
-        d, i = _sqdist(x[:, start : start + step], centroids).min(-1)
-        best.append(d)
+        part = x[:, start : start + step]
+        d, i = _sqdist_shifted(part, centroids).min(-1)
+        best.append((d + (part * part).sum(-1)).clamp_min_(0))
         index.append(i)
     return torch.cat(index, 1), torch.cat(best, 1)
 

@@ -36,13 +36,21 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
         codes = torch.nn.functional.pad(codes, (0, pad)).view(*codes.shape[:-1], -1, per)
         shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device)
         return (codes << shifts).sum(-1, dtype=torch.uint8)
-    # Generic width: explode into a bit stream, then pack 8 bits per byte.
-    plane = torch.arange(bits, dtype=torch.uint8, device=codes.device)
-    stream = ((codes.unsqueeze(-1) >> plane) & 1).flatten(-2)
-    stream = torch.nn.functional.pad(stream, (0, (-stream.shape[-1]) % 8))
-    stream = stream.view(*stream.shape[:-1], -1, 8)
-    shifts = torch.arange(8, dtype=torch.uint8, device=codes.device)
-    return (stream << shifts).sum(-1, dtype=torch.uint8)
+    # Other widths: 8 codes fill exactly `bits` bytes, assembled in one int64 word per group.
+    wide = _word_dtype(bits)
+    groups = _pad_to(codes, 8).view(*codes.shape[:-1], -1, 8).to(wide)
+    word = (groups << torch.arange(0, 8 * bits, bits, dtype=wide, device=codes.device)).sum(-1, keepdim=True, dtype=wide)
+    out = (word >> torch.arange(0, 8 * bits, 8, dtype=wide, device=codes.device)) & 0xFF
+    return out.to(torch.uint8).flatten(-2)[..., : packed_length(n, bits)]
+
+
+def _word_dtype(bits: int) -> torch.dtype:
+    """int32 holds 8 codes of up to 3 bits (24 bits) and is faster; wider codes need int64."""
+    return torch.int32 if 8 * bits < 32 else torch.int64
+
+
+def _pad_to(x: torch.Tensor, multiple: int) -> torch.Tensor:
+    return torch.nn.functional.pad(x, (0, (-x.shape[-1]) % multiple))
 
 
 def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
@@ -58,8 +66,8 @@ def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     if 8 % bits == 0:
         shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
         return ((packed.unsqueeze(-1) >> shifts) & mask).flatten(-2)[..., :n]
-    shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
-    stream = ((packed.unsqueeze(-1) >> shifts) & 1).flatten(-2)[..., : n * bits]
-    stream = stream.view(*stream.shape[:-1], n, bits)
-    weights = torch.tensor([1 << i for i in range(bits)], dtype=torch.uint8, device=packed.device)
-    return (stream * weights).sum(-1, dtype=torch.uint8)
+    wide = _word_dtype(bits)
+    groups = _pad_to(packed, bits).view(*packed.shape[:-1], -1, bits).to(wide)
+    word = (groups << torch.arange(0, 8 * bits, 8, dtype=wide, device=packed.device)).sum(-1, keepdim=True, dtype=wide)
+    codes = (word >> torch.arange(0, 8 * bits, bits, dtype=wide, device=packed.device)) & mask
+    return codes.to(torch.uint8).flatten(-2)[..., :n]

@@ -10,7 +10,7 @@ always gives bit-identical bases.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -67,39 +67,45 @@ def group_variances(variances: Sequence[float] | torch.Tensor, group_size: int) 
 
 
 def allocation_error(variance: float, bits: int, drop_penalty: float) -> float:
-    """Modelled squared error of one group: dropped costs `drop_penalty * variance`, `b` bits `variance / (3 * 4^b)`."""
+    """Modelled squared error of one group (blog §5): dropped `drop_penalty * variance`, `b` bits `variance / (3 * 4^b)`."""
     return variance * drop_penalty if bits == 0 else variance / (3.0 * (1 << (2 * bits)))
 
 
-def allocate_bits(
-    variances: Sequence[float],
-    sizes: Sequence[int],
-    budget_bits: int,
-    options: Sequence[int] = BIT_OPTIONS,
-    drop_penalty: float = 4.0,
-) -> tuple[int, ...]:
-    """Bits per group minimizing the summed `allocation_error` with `Σ bits * size <= budget_bits`.
+def modelled_errors(
+    variances: Sequence[float], options: Sequence[int] = BIT_OPTIONS, drop_penalty: float = 4.0
+) -> list[dict[int, float]]:
+    """`allocation_error` of every group at every option: the error table `allocate_bits` takes."""
+    return [{bits: allocation_error(v, bits, drop_penalty) for bits in options} for v in variances]
 
-    Exact DP over the bits used so far (KVTC-style). `drop_penalty > 1` makes a dropped direction
-    costlier than its variance, so the budget goes to coarse quantization of more directions before
-    it buys finer quantization of a few (blog §5: dropping a routing direction is a categorical error).
+
+def allocate_bits(errors: Sequence[Mapping[int, float]], sizes: Sequence[int], budget_bits: int) -> tuple[int, ...]:
+    """Bits per group minimizing the summed error with `Σ bits * size <= budget_bits`.
+
+    errors: per group, the squared error at each allowed width (0 = dropped), e.g. `modelled_errors`
+    (KVTC-style model with a drop penalty) or errors measured with the actual quantizer.
+    Exact DP over the bits used so far. A drop penalty > 1 makes a dropped direction costlier than
+    its variance, so the budget goes to coarse quantization of more directions before it buys finer
+    quantization of a few (blog §5: dropping a routing direction is a categorical error).
     Ties go to the allocation using fewer bits, then to the earlier-found one: deterministic.
     """
-    if len(variances) != len(sizes):
-        raise ValueError(f"got {len(variances)} variances for {len(sizes)} group sizes")
+    if len(errors) != len(sizes):
+        raise ValueError(f"got {len(errors)} error rows for {len(sizes)} group sizes")
     if budget_bits < 0:
         raise ValueError(f"budget_bits must be >= 0, got {budget_bits}")
-    if 0 not in options or any(not (b == 0 or 2 <= b <= 8) for b in options):
-        raise ValueError(f"options must include 0 and otherwise lie in 2..8 (symmetric codes need >= 2 bits), got {tuple(options)}")
+    for row in errors:
+        if 0 not in row or any(not (b == 0 or 2 <= b <= 8) for b in row):
+            raise ValueError(
+                f"options must include 0 and otherwise lie in 2..8 (symmetric codes need >= 2 bits), got {sorted(row)}"
+            )
     states: dict[int, tuple[float, tuple[int, ...]]] = {0: (0.0, ())}
-    for variance, size in zip(variances, sizes):
+    for row, size in zip(errors, sizes, strict=True):
         nxt: dict[int, tuple[float, tuple[int, ...]]] = {}
         for used, (err, alloc) in states.items():
-            for bits in sorted(options):
+            for bits in sorted(row):
                 total = used + bits * size
                 if total > budget_bits:
                     continue
-                cand = (err + allocation_error(variance, bits, drop_penalty), alloc + (bits,))
+                cand = (err + row[bits], alloc + (bits,))
                 if total not in nxt or cand[0] < nxt[total][0]:
                     nxt[total] = cand
         states = nxt

@@ -1,0 +1,1 @@
+"""Benchmarks that write JSON rows and PNG plots under bench/results."""

@@ -1,0 +1,199 @@
+"""`kvpack` command line: demo, eval, compare (plus `models` and `methods` listings).
+
+Options come from flags or a TOML file (`--config run.toml`): top-level keys apply to every
+command, a `[compare]` / `[eval]` / `[demo]` table to that command only; flags win over the file.
+Keys are the flag names with underscores: model, methods, context, ppl_tokens, needle_lengths, ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import tomllib
+from pathlib import Path
+
+from .models import DEFAULT_MODEL, list_models
+
+DEMO = {"context": 2048, "ppl_tokens": 512, "needle_lengths": [1024], "decode_tokens": 16, "fidelity_steps": 4}
+
+
+def _list(value, cast=str) -> list | None:
+    if value is None:
+        return None
+    items = value.split(",") if isinstance(value, str) else value
+    return [cast(v.strip() if isinstance(v, str) else v) for v in items if str(v).strip()]
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="TOML file with defaults for these options")
+    p.add_argument("--model", default=DEFAULT_MODEL, help=f"registry name {list_models()}, a local HF directory or a .gguf file")
+    p.add_argument("--context", type=int, default=2048, help="tokens prefilled into the cache before anything is measured")
+    p.add_argument("--text", default="news", choices=["news", "shakespeare", "pydoc"], help="real text corpus")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="model weights and activations")
+    p.add_argument("--ppl-tokens", type=int, default=2048, help="tokens scored after the prefix")
+    p.add_argument("--chunk", type=int, default=256, help="scored tokens per forward")
+    p.add_argument("--needle-lengths", help="comma-separated prompt lengths (default: context/2,context)")
+    p.add_argument("--needle-depths", default="0.1,0.5,0.9", help="comma-separated needle depths in [0, 1]")
+    p.add_argument("--no-needle", dest="needle", action="store_false", help="skip needle-in-a-haystack")
+    p.add_argument("--decode-tokens", type=int, default=32, help="greedy tokens timed for decode speed")
+    p.add_argument("--fidelity-steps", type=int, default=8, help="decode steps compared for attention fidelity")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", help="write {config, rows} JSON here")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvpack", description="Compressed KV caches: evaluate methods on real models, offline.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="the default model with and without compression: memory, perplexity, needle, speed")
+    _common(demo)
+    demo.add_argument("--method", default=None, help="kvpack method (default: kvpack.DEFAULT_METHOD)")
+    demo.set_defaults(**{k: ",".join(map(str, v)) if isinstance(v, list) else v for k, v in DEMO.items()})
+    ev = sub.add_parser("eval", help="every metric for one method vs the uncompressed cache")
+    _common(ev)
+    ev.add_argument("--method", default=None, help="kvpack method or peer (default: kvpack.DEFAULT_METHOD)")
+    cmp_ = sub.add_parser("compare", help="several methods and peers side by side: table, JSON rows, PNG plots")
+    _common(cmp_)
+    cmp_.add_argument("--methods", default="fp16,kivi:2,turboquant:k3v3,hf-quanto:4,hf-hqq:4,dynamic", help="comma-separated")
+    cmp_.add_argument("--plot", help="PNG path: Pareto plot and needle heatmaps")
+    sub.add_parser("models", help="list registry models")
+    sub.add_parser("methods", help="list kvpack methods and peers")
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "config", None):
+        with open(args.config, "rb") as f:
+            data = tomllib.load(f)
+        section = data.get(args.command, {})
+        values = {k: v for k, v in data.items() if not isinstance(v, dict)} | section
+        subparser = next(a for a in parser._subparsers._group_actions if a.dest == "command").choices[args.command]
+        known = {a.dest for a in subparser._actions}
+        unknown = sorted(k for k in (k.replace("-", "_") for k in values) if k not in known)
+        if unknown:
+            parser.error(f"unknown keys in {args.config}: {unknown}")
+        subparser.set_defaults(**{k.replace("-", "_"): v for k, v in values.items()})
+        args = parser.parse_args(argv)
+    return args
+
+
+def _eval_config(args, methods: list[str]):
+    from .eval.runner import EvalConfig
+
+    return EvalConfig(
+        model=args.model, methods=methods, context=args.context, ppl_tokens=args.ppl_tokens, chunk=args.chunk,
+        needle_lengths=_list(args.needle_lengths, int), needle_depths=_list(args.needle_depths, float), needle=args.needle,
+        decode_tokens=args.decode_tokens, fidelity_steps=args.fidelity_steps, text=args.text, dtype=args.dtype, seed=args.seed,
+    )
+
+
+def _run(args, methods: list[str]) -> tuple[object, list[dict]]:
+    from .eval.runner import run
+    from .models import load_model
+
+    cfg = _eval_config(args, methods)
+    start = time.perf_counter()
+    model, tokenizer = load_model(cfg.model, dtype=cfg.torch_dtype)
+    print(f"loaded {cfg.model} in {time.perf_counter() - start:.1f} s; {cfg.context}-token context, {cfg.text} text, {cfg.dtype}", flush=True)
+    return cfg, run(model, tokenizer, cfg, progress=not args.quiet, log=lambda s: print(s, flush=True))
+
+
+def _write_json(path: str | None, cfg, rows: list[dict]) -> None:
+    if not path:
+        return
+    from .eval.runner import config_dict
+
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps({"config": config_dict(cfg), "rows": rows}, indent=1))
+    print(f"wrote {path}")
+
+
+def _default_method(method: str | None) -> str:
+    from .registry import DEFAULT_METHOD
+
+    return method or DEFAULT_METHOD
+
+
+def cmd_demo(args) -> int:
+    method = _default_method(args.method)
+    start = time.perf_counter()
+    cfg, rows = _run(args, [method])
+    from .eval.report import format_table
+
+    print()
+    print(format_table(rows))
+    base, row = rows[0], rows[-1]
+    print()
+    if row.get("status") != "ok":
+        print(f"{method} could not run: {row['status']}")
+        return 1
+    print(f"kvpack demo: {cfg.model}, {row['tokens']} tokens of real news text in the cache, method {method}")
+    print(f"  memory:     {base['total_bytes'] / 2**20:.1f} MiB uncompressed ({cfg.dtype}) -> {row['total_bytes'] / 2**20:.1f} MiB "
+          f"({row['ratio_vs_fp16']:.2f}x smaller than fp16, {base['total_bytes'] / row['total_bytes']:.2f}x smaller than the {cfg.dtype} cache)")
+    print(f"  perplexity: {base['ppl']:.3f} -> {row['ppl']:.3f} ({row['ppl_delta_pct']:+.2f}%) over {row['ppl_tokens']} tokens that read the compressed cache")
+    print(f"  needle:     {row['needle_found']}/{row['needle_total']} found (uncompressed {base['needle_found']}/{base['needle_total']})")
+    print(f"  decode:     {row['decode_tok_s']:.1f} tok/s vs {base['decode_tok_s']:.1f} tok/s uncompressed ({row['decode_ratio']:.2f}x)")
+    print(f"  attention:  worst layer cosine {row['cosine_min']:.4f} vs uncompressed")
+    print(f"total {time.perf_counter() - start:.0f} s")
+    _write_json(args.json, cfg, rows)
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from .eval.report import format_table
+
+    cfg, rows = _run(args, [_default_method(args.method)])
+    print()
+    print(format_table(rows))
+    _write_json(args.json, cfg, rows)
+    return 0 if all(r.get("status") == "ok" for r in rows) else 1
+
+
+def cmd_compare(args) -> int:
+    from .eval.report import format_table, plot
+
+    cfg, rows = _run(args, _list(args.methods))
+    print()
+    print(format_table(rows))
+    _write_json(args.json, cfg, rows)
+    if args.plot:
+        plot(rows, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def cmd_models(_args) -> int:
+    from .models import MODELS
+
+    for spec in MODELS.values():
+        print(f"{spec.name:14s} {spec.description}\n{'':14s} {spec.pip}")
+    return 0
+
+
+def cmd_methods(_args) -> int:
+    from .peers import PEERS
+    from .registry import DEFAULT_METHOD, list_methods
+
+    print("kvpack methods: " + ", ".join(m + (" (default)" if m == DEFAULT_METHOD else "") for m in list_methods()))
+    print("peers:          " + ", ".join(PEERS))
+    return 0
+
+
+COMMANDS = {"demo": cmd_demo, "eval": cmd_eval, "compare": cmd_compare, "models": cmd_models, "methods": cmd_methods}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except (ImportError, ValueError) as err:  # missing model package, bad option: the message says what to do
+        print(f"kvpack {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,153 @@
+"""Shard's value codec: randomized Hadamard, per-channel scale, k-means VQ on groups of channels.
+
+Shard blog §4, §6, §10 (https://krishgarg.com/shard). Values have a flat spectrum, so no subspace
+to exploit; instead each `(batch, kv_heads, tokens, head_dim)` vector is rotated by H·diag(signs)
+(signs seeded per (layer, kv head)) so channels look alike and near-Gaussian, divided by a per
+(kv head, channel) RMS scale, and cut into groups of `group_size` channels; each group is replaced
+by the index of its nearest codeword in a `codebook_size`-entry k-means codebook. The defaults
+(groups of 4, 256 entries) store one byte per 4 channels: 2 bits per value element.
+
+`weighted_sum` never leaves the rotated space per token: `Σ_t p_t V_t = H(Σ_t p_t V^rot_t)`, so it
+accumulates codeword lookups weighted by the probabilities and applies the scale and ONE inverse
+Hadamard to the `(q_len, head_dim)` result (blog §10).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+
+from ..primitives.kmeans import assign, kmeans
+from ..primitives.packing import pack_bits, unpack_bits
+from ..primitives.rotation import derive_seed, hadamard_transform, random_signs
+from .base import Codec, Packed, group_query, ungroup
+
+_CHUNK_ELEMENTS = 1 << 22  # float32 entries of looked-up codewords held at once in `weighted_sum`
+
+
+class VQScope(str, Enum):
+    """Which vectors share one codebook."""
+
+    LAYER = "layer"  # one codebook for all kv heads of the layer (blog §6)
+    HEAD = "head"  # one codebook per kv head: kv_heads times the (small) codebook bytes
+
+
+@dataclass(frozen=True)
+class VQConfig:
+    """group_size: channels per codeword (divides head_dim). codebook_size: entries per codebook, 2..256
+    (indices take ceil(log2) bits). n_iter: Lloyd iterations. seed: rotation signs and k-means.
+    fit_points: k-means is fit on at most this many groups per codebook (a seeded sample); every
+    group is then assigned. scope: `VQScope`."""
+
+    group_size: int = 4
+    codebook_size: int = 256
+    n_iter: int = 16
+    seed: int = 0
+    fit_points: int = 32768
+    scope: VQScope = VQScope.LAYER
+
+    def __post_init__(self):
+        if self.group_size < 1:
+            raise ValueError(f"group_size must be >= 1, got {self.group_size}")
+        if not 2 <= self.codebook_size <= 256:
+            raise ValueError(f"codebook_size must be in 2..256 (uint8 indices), got {self.codebook_size}")
+        if self.n_iter < 1:
+            raise ValueError(f"n_iter must be >= 1, got {self.n_iter}")
+        if self.fit_points < self.codebook_size:
+            raise ValueError(f"fit_points must be >= codebook_size ({self.codebook_size}), got {self.fit_points}")
+        try:
+            object.__setattr__(self, "scope", VQScope(self.scope))
+        except ValueError:
+            raise ValueError(f"scope must be one of {[s.value for s in VQScope]}, got {self.scope!r}") from None
+
+
+@dataclass
+class VQPacked(Packed):
+    indices: torch.Tensor  # (batch, kv_heads, tokens, bytes) uint8: bit-packed codeword indices per channel group
+
+
+class VQValueCodec(Codec):
+    name = "vq"
+
+    def __init__(self, config: VQConfig, head_dim: int, kv_heads: int, layer_idx: int = 0):
+        super().__init__(config, head_dim, kv_heads, layer_idx)
+        if head_dim % config.group_size:
+            raise ValueError(f"group_size {config.group_size} must divide head_dim {head_dim}")
+        self.n_groups = head_dim // config.group_size
+        self.bits = (config.codebook_size - 1).bit_length()
+        signs = [random_signs(head_dim, derive_seed(config.seed, layer_idx, h)) for h in range(kv_heads)]
+        self.signs = torch.stack(signs).to(torch.int8)  # (kv_heads, head_dim)
+        self.scale: torch.Tensor | None = None  # (kv_heads, head_dim) float16, RMS of each rotated channel
+        self.codebooks: torch.Tensor | None = None  # (1 or kv_heads, codebook_size, group_size) float16
+
+    @property
+    def fitted(self) -> bool:
+        return self.codebooks is not None
+
+    def _signs(self, device) -> torch.Tensor:
+        return self.signs.to(device=device, dtype=torch.float32)[None, :, None]
+
+    def _rotate(self, x: torch.Tensor) -> torch.Tensor:
+        return hadamard_transform(x.float() * self._signs(x.device))
+
+    def _unrotate(self, y: torch.Tensor) -> torch.Tensor:
+        return hadamard_transform(y) * self._signs(y.device)
+
+    def _points(self, y: torch.Tensor) -> torch.Tensor:
+        """Normalized rotated values `(b, h, t, d)` -> `(codebooks, points, group_size)`."""
+        g = y.reshape(*y.shape[:3], self.n_groups, self.config.group_size)
+        if self.config.scope is VQScope.LAYER:
+            return g.reshape(1, -1, self.config.group_size)
+        return g.transpose(0, 1).reshape(self.kv_heads, -1, self.config.group_size)
+
+    def fit(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> None:
+        """Channel scales and codebook(s) from values `x (batch, kv_heads, tokens, head_dim)`."""
+        self._check(x)
+        cfg = self.config
+        y = self._rotate(x).cpu()
+        self.scale = y.square().mean((0, 2)).sqrt().clamp_min(1e-6).half()
+        points = self._points(y / self.scale.float()[None, :, None])
+        if points.shape[1] > cfg.fit_points:
+            # Pseudo-head ids -1 / -2 keep these streams apart from the per-head rotation signs.
+            gen = torch.Generator().manual_seed(derive_seed(cfg.seed, self.layer_idx, -2))
+            points = points[:, torch.randperm(points.shape[1], generator=gen)[: cfg.fit_points]]
+        result = kmeans(points, cfg.codebook_size, cfg.n_iter, seed=derive_seed(cfg.seed, self.layer_idx, -1))
+        self.codebooks = result.centroids.half()
+
+    def encode(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> VQPacked:
+        if not self.fitted:
+            self.fit(x, positions)
+        self._check(x)
+        b, h, t, _ = x.shape
+        y = self._rotate(x) / self.scale.float().to(x.device)[None, :, None]
+        index, _ = assign(self._points(y), self.codebooks.float().to(x.device))
+        if self.config.scope is VQScope.LAYER:
+            index = index.reshape(b, h, t, self.n_groups)
+        else:
+            index = index.reshape(h, b, t, self.n_groups).transpose(0, 1)
+        return VQPacked(t, pack_bits(index, self.bits))
+
+    def _lookup(self, indices: torch.Tensor) -> torch.Tensor:
+        """Normalized rotated values `(b, h, t, head_dim)` float32 from packed indices."""
+        index = unpack_bits(indices, self.bits, self.n_groups).long()
+        codebooks = self.codebooks.float().to(indices.device)
+        if self.config.scope is VQScope.HEAD:  # per-head codebooks stacked: offset each head's indices
+            index = index + (torch.arange(self.kv_heads, device=indices.device) * self.config.codebook_size)[None, :, None, None]
+        return codebooks.reshape(-1, self.config.group_size)[index].flatten(-2)
+
+    def decode(self, packed: VQPacked, positions: torch.Tensor | None = None) -> torch.Tensor:
+        scale = self.scale.float().to(packed.indices.device)[None, :, None]
+        return self._unrotate(self._lookup(packed.indices) * scale)
+
+    def weighted_sum(self, probs: torch.Tensor, packed: VQPacked) -> torch.Tensor:
+        """`probs (batch, q_heads, q_len, tokens)` -> `(batch, q_heads, q_len, head_dim)`, one Hadamard at the end."""
+        p = group_query(probs.float(), self.kv_heads)  # (b, kv, rows, t)
+        b, _, rows, tokens = p.shape
+        step = max(1, _CHUNK_ELEMENTS // max(1, b * self.kv_heads * self.head_dim))
+        acc = p.new_zeros(b, self.kv_heads, rows, self.head_dim)
+        for ts in range(0, tokens, step):
+            acc += p[..., ts : ts + step] @ self._lookup(packed.indices[:, :, ts : ts + step])
+        out = self._unrotate(acc * self.scale.float().to(p.device)[None, :, None])
+        return ungroup(out, probs.shape[1])

@@ -1,0 +1,170 @@
+"""Shard's codecs: PCA keys (scores on coefficients through the RoPE identity) and Hadamard + VQ values."""
+
+import pytest
+import torch
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from kvpack.codecs.pca import PCAConfig, PCAKeyCodec
+from kvpack.codecs.vq import VQConfig, VQValueCodec
+from kvpack.primitives.affine import dequantize_affine, quantize_affine
+from kvpack.primitives.packing import packed_length, unpack_bits
+from kvpack.registry import CodecSpec
+
+D, KV = 64, 3
+INV_FREQ = 1.0 / (1e5 ** (torch.arange(0, D, 2).float() / D))
+
+
+def hf_cos_sin(positions, scaling):
+    # transformers' LlamaRotaryEmbedding arithmetic, written out here as the reference
+    freqs = positions[..., None].float() * INV_FREQ
+    emb = torch.cat((freqs, freqs), -1)
+    return emb.cos() * scaling, emb.sin() * scaling
+
+
+def low_rank_keys(batch, tokens, rank=10, noise=0.02, seed=0, start=4, scaling=1.0):
+    """RoPE'd keys whose un-RoPEd form is rank-`rank` (across heads) plus noise; positions per batch row."""
+    gen = torch.Generator().manual_seed(seed)
+    mix = torch.randn(rank, KV * D, generator=gen) * torch.linspace(3, 0.5, rank)[:, None]
+    k0 = torch.randn(batch, tokens, rank, generator=gen) @ mix + 0.5 + noise * torch.randn(batch, tokens, KV * D, generator=gen)
+    k0 = k0.view(batch, tokens, KV, D).transpose(1, 2)
+    positions = torch.arange(start, start + tokens)[None] + 17 * torch.arange(batch)[:, None]
+    cos, sin = hf_cos_sin(positions, scaling)
+    keys, _ = apply_rotary_pos_emb(k0, k0, cos, sin)
+    return keys, positions
+
+
+def reference_keys(codec: PCAKeyCodec, packed, positions):
+    """Dequantize in plain torch from the codec's stored state, then RoPE with transformers' function."""
+    parts, start = [], 0
+    for n, bits in codec.segments:
+        nbytes = packed_length(n, bits)
+        parts.append(unpack_bits(packed.codes[..., start : start + nbytes], bits, n).float() - ((1 << (bits - 1)) - 1))
+        start += nbytes
+    coefs = torch.cat(parts, -1) * codec.coef_scale.float()[None, :, None]
+    basis = codec.basis.float() * codec.basis_scale.float()[:, None]
+    k0 = coefs @ basis.transpose(1, 2) + codec.mean.float()[None, :, None]  # (b, groups, t, group_dim)
+    b, _, t, _ = k0.shape
+    k0 = k0.transpose(1, 2).reshape(b, t, KV, D).transpose(1, 2)
+    cos, sin = hf_cos_sin(positions, codec.rope.scaling)
+    return apply_rotary_pos_emb(k0, k0, cos, sin)[0]
+
+
+@pytest.mark.parametrize("group", [1, 3, 7])
+@pytest.mark.parametrize("scope,tokens,q_len,batch", [("layer", 37, 1, 2), ("layer", 129, 5, 1), ("head", 37, 3, 2)])
+def test_pca_scores_equal_dequantize_rope_matmul(group, scope, tokens, q_len, batch):
+    keys, positions = low_rank_keys(batch, tokens, scaling=1.2)
+    codec = PCAKeyCodec(PCAConfig(rank=20, bits=4, group_size=8, scope=scope), D, KV)
+    codec.set_rope(INV_FREQ, 1.2)
+    packed = codec.encode(keys, positions)
+    q_pos = positions[:, -1:] + 1 + torch.arange(q_len)  # queries after the keys
+    query = torch.randn(batch, KV * group, q_len, D)
+    q_cos, q_sin = hf_cos_sin(q_pos, 1.2)
+    query, _ = apply_rotary_pos_emb(query, query, q_cos, q_sin)
+    ref_keys = reference_keys(codec, packed, positions)
+    ref = query.reshape(batch, KV, group * q_len, D) @ ref_keys.transpose(-1, -2)
+    ref = ref.reshape(batch, KV * group, q_len, tokens)
+    got = codec.scores(query, packed, q_pos, positions)
+    assert got.shape == ref.shape
+    torch.testing.assert_close(got, ref, rtol=0, atol=2e-4 * ref.abs().max().item())
+    torch.testing.assert_close(codec.decode(packed, positions), ref_keys, rtol=0, atol=1e-4 * ref_keys.abs().max().item())
+
+
+def test_pca_stores_small_dtypes_and_reconstructs_low_rank_keys():
+    keys, positions = low_rank_keys(2, 200)
+    codec = PCAKeyCodec(PCAConfig(rank=24, bits=4, group_size=8), D, KV)
+    codec.set_rope(INV_FREQ)
+    packed = codec.encode(keys, positions)  # fits on first use
+    assert codec.basis.dtype == torch.int8 and codec.basis_scale.dtype == torch.float16
+    assert codec.coef_scale.dtype == torch.float16 and codec.mean.dtype == torch.float16
+    assert packed.codes.dtype == torch.uint8 and packed.codes.shape[:3] == (2, 1, 200)
+    err = (codec.decode(packed, positions) - keys).norm() / keys.norm()
+    assert err < 0.05
+    with pytest.raises(ValueError, match="positions"):
+        codec.encode(keys)
+
+
+def test_pca_far_below_same_bytes_scalar_quantizer():
+    keys, positions = low_rank_keys(1, 512, rank=12, noise=0.02)
+    # 48 components x 8 bits = 384 bits per token = 2 bits per element, vs 2-bit codes + fp16 scale/zero per 64 = 2.5
+    codec = PCAKeyCodec(PCAConfig(rank=48, bits=8, group_size=48), D, KV)
+    codec.set_rope(INV_FREQ)
+    packed = codec.encode(keys, positions)
+    assert packed.codes.shape[-1] * 8 <= 2 * KV * D
+    pca_err = (codec.decode(packed, positions) - keys).norm() / keys.norm()
+    scalar = dequantize_affine(quantize_affine(keys, 2, D), D)
+    scalar_err = (scalar - keys).norm() / keys.norm()
+    assert pca_err < 0.25 * scalar_err, (pca_err, scalar_err)
+
+
+def test_pca_without_rope_is_plain_linear_codec():
+    keys, _ = low_rank_keys(1, 50)
+    codec = PCAKeyCodec(PCAConfig(rank=16), D, KV)  # no set_rope: keys are taken as RoPE-free
+    packed = codec.encode(keys)
+    query = torch.randn(1, KV * 2, 2, D)
+    ref = (query.reshape(1, KV, 4, D) @ codec.decode(packed).transpose(-1, -2)).reshape(1, KV * 2, 2, 50)
+    torch.testing.assert_close(codec.scores(query, packed), ref, rtol=0, atol=1e-4 * ref.abs().max().item())
+
+
+def test_bytes_per_token_match_hand_count():
+    tokens = 8192
+    keys, positions = low_rank_keys(1, tokens, rank=8)
+    pca = CodecSpec("pca", {"rank": 48, "bits": 4, "group_size": 48}).build(D, KV)
+    pca.set_rope(INV_FREQ)
+    packed = pca.encode(keys, positions)
+    assert pca.segments == ((48, 4),)  # one group, the whole budget at 4 bits
+    assert packed.nbytes() == tokens * 48 * 4 // 8  # 24 B/token for the layer, vs 384 B in fp16
+    # int8 basis 192x48, fp16 column and coefficient scales (48 each), fp16 mean (192)
+    assert pca.state_nbytes() == 192 * 48 + 2 * 48 + 2 * 48 + 2 * 192
+    values = torch.randn(1, KV, tokens, D)
+    vq = CodecSpec("vq", {"n_iter": 2, "fit_points": 4096}).build(D, KV)
+    packed_v = vq.encode(values)
+    assert packed_v.nbytes() == tokens * KV * (D // 4)  # one uint8 index per 4 channels: 48 B/token
+    # fp16 codebook 256x4, fp16 per-channel scale 3x64, int8 rotation signs 3x64
+    assert vq.state_nbytes() == 256 * 4 * 2 + KV * D * 2 + KV * D
+    fp16 = tokens * KV * D * 2 * 2
+    total = packed.nbytes() + pca.state_nbytes() + packed_v.nbytes() + vq.state_nbytes()
+    assert abs(fp16 / total - 2 * 384 / (24 + 48 + (9792 + 2624) / tokens)) < 1e-9
+
+
+def vq_codec(scope="layer", group=4, seed=0):
+    return VQValueCodec(
+        VQConfig(group_size=group, codebook_size=64, n_iter=6, seed=seed, fit_points=2048, scope=scope), D, KV, layer_idx=2
+    )
+
+
+@pytest.mark.parametrize("scope", ["layer", "head"])
+@pytest.mark.parametrize("q_group,q_len,tokens", [(1, 1, 37), (3, 4, 129), (7, 2, 5)])
+def test_vq_hadamard_after_sum_equals_per_token_inverse(scope, q_group, q_len, tokens):
+    values = torch.randn(2, KV, tokens, D)
+    codec = vq_codec(scope)
+    codec.fit(torch.randn(2, KV, 300, D))
+    packed = codec.encode(values)  # a block the codec was not fit on
+    probs = torch.rand(2, KV * q_group, q_len, tokens).softmax(-1)
+    per_token = codec.decode(packed)  # inverse rotation applied to every token
+    ref = (probs.reshape(2, KV, q_group * q_len, tokens) @ per_token).reshape(2, KV * q_group, q_len, D)
+    torch.testing.assert_close(codec.weighted_sum(probs, packed), ref, rtol=0, atol=1e-5)
+
+
+def test_vq_reconstruction_reproducibility_and_state():
+    gen = torch.Generator().manual_seed(0)
+    values = torch.randn(1, KV, 400, D, generator=gen) * torch.linspace(0.2, 3, D)  # uneven channels
+    a, b, c = vq_codec(seed=1), vq_codec(seed=1), vq_codec(seed=2)
+    pa, pb = a.encode(values), b.encode(values)
+    assert torch.equal(a.codebooks, b.codebooks) and torch.equal(pa.indices, pb.indices)
+    c.fit(values)
+    assert not torch.equal(a.codebooks, c.codebooks)
+    assert a.codebooks.dtype == torch.float16 and pa.indices.dtype == torch.uint8
+    assert pa.indices.shape == (1, KV, 400, D // 4 * 6 // 8)  # 64 entries: 6-bit indices, packed
+    err = (a.decode(pa) - values).norm() / values.norm()
+    assert err < 0.45  # 1.5 bits per element on Gaussian data (the rate-distortion bound is 2^-1.5 = 0.35)
+
+
+def test_configs_validate():
+    with pytest.raises(ValueError, match="scope"):
+        PCAConfig(scope="token")
+    with pytest.raises(ValueError, match="bits"):
+        PCAConfig(bits=1)
+    with pytest.raises(ValueError, match="codebook_size"):
+        VQConfig(codebook_size=512)
+    with pytest.raises(ValueError, match="divide"):
+        VQValueCodec(VQConfig(group_size=5), D, KV)
