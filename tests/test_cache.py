@@ -146,8 +146,8 @@ def test_memory_report_matches_hand_count():
     layer.flush()
     # 4 sinks + 64-token blocks leave a window of 64..127 tokens: 296 -> 192 compressed, 104 in the window.
     mem = layer.memory()
-    assert mem["sink"] == 2 * b * hk * 4 * d * 4  # fp32 K and V
-    assert mem["window"] == 2 * b * hk * 104 * d * 4
+    assert mem["sink"] == 2 * b * hk * 4 * d * 2  # fp16 K and V (exact_dtype default)
+    assert mem["window"] == 2 * b * hk * 104 * d * 2
     assert mem["stream:int8/int8"] == 2 * b * hk * 192 * (d + 2)  # int8 codes + fp16 scale per vector
 
 
@@ -160,9 +160,16 @@ def test_cache_memory_report_ratio_is_real():
     held = sum(sum(layer.memory().values()) for layer in cache.layers)
     assert rep["total_bytes"] == held
     assert rep["fp16_bytes"] == 2 * 1000 * 2 * 16 * 2 * 2  # layers * tokens * kv_heads * head_dim * (K+V) * 2 bytes
-    # Per layer: 4 fp32 sinks, 896 int8 tokens (head_dim 16 + fp16 scale), a 100-token fp32 window; K and V, 2 kv heads.
-    per_layer = 2 * 2 * (4 * 16 * 4 + 896 * (16 + 2) + 100 * 16 * 4)
+    # Per layer: 4 fp16 sinks, 896 int8 tokens (head_dim 16 + fp16 scale), a 100-token fp16 window; K and V, 2 kv heads.
+    per_layer = 2 * 2 * (4 * 16 * 2 + 896 * (16 + 2) + 100 * 16 * 2)
     assert rep["total_bytes"] == 2 * per_layer
+
+
+def test_native_exact_dtype_keeps_model_precision():
+    layer = KVPackLayer(get_method("int8").with_options(exact_dtype="native"), 0, _Cfg())
+    k = torch.randn(1, 2, 10, 64)
+    layer.update(k, k)
+    assert layer.win_k.dtype == torch.float32 and torch.equal(layer.dequantized()[0], k)
 
 
 def test_unsupported_model_type_names_it():

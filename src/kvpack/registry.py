@@ -13,6 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import torch
+
 from .codecs.base import Codec
 
 CODECS: dict[str, str] = {
@@ -36,6 +38,9 @@ CONFIG_CLASSES: dict[str, str] = {
     "pca": "kvpack.codecs.pca:PCAConfig",
     "vq": "kvpack.codecs.vq:VQConfig",
 }
+
+
+EXACT_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "native": None}
 
 
 def _load(path: str) -> Any:
@@ -67,6 +72,8 @@ class MethodConfig:
     prefill_key / prefill_value: codecs for the prefill middle; None means the stream codecs.
     sink_tokens: leading tokens kept uncompressed (attention sinks).
     window: recent tokens kept uncompressed; tokens leave it in whole blocks of `block_size`.
+    exact_dtype: storage of sinks and window: float16 (the seeds' layout) | bfloat16 | native
+        (the model's own dtype: bit-exact, but 2x the bytes for an fp32 model).
     """
 
     name: str
@@ -77,8 +84,11 @@ class MethodConfig:
     sink_tokens: int = 4
     window: int = 64
     block_size: int = 64
+    exact_dtype: str = "float16"
 
     def __post_init__(self):
+        if self.exact_dtype not in EXACT_DTYPES:
+            raise ValueError(f"exact_dtype must be one of {sorted(EXACT_DTYPES)}, got {self.exact_dtype!r}")
         for attr in ("sink_tokens", "window"):
             if getattr(self, attr) < 0:
                 raise ValueError(f"{attr} must be >= 0, got {getattr(self, attr)}")

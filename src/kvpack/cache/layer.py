@@ -14,7 +14,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from ..codecs.base import Codec, Packed, concat_packed
-from ..registry import CodecSpec, MethodConfig
+from ..registry import EXACT_DTYPES, CodecSpec, MethodConfig
 
 
 @dataclass
@@ -66,8 +66,9 @@ class KVPackLayer(CacheLayerMixin):
         self.dtype, self.device = key_states.dtype, key_states.device
         self.batch, self.kv_heads, _, self.head_dim = key_states.shape
         self.v_head_dim = value_states.shape[-1]
-        empty_k = key_states[:, :, :0]
-        empty_v = value_states[:, :, :0]
+        self.exact_dtype = EXACT_DTYPES[self.method.exact_dtype] or self.dtype
+        empty_k = key_states[:, :, :0].to(self.exact_dtype)
+        empty_v = value_states[:, :, :0].to(self.exact_dtype)
         self.sink_k, self.sink_v, self.win_k, self.win_v = empty_k, empty_v, empty_k, empty_v
         self.keys, self.values = empty_k, empty_v  # transformers' generic helpers read these
         self.is_initialized = True
@@ -77,6 +78,7 @@ class KVPackLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self._check_new(key_states, value_states)
+        key_states, value_states = key_states.to(self.exact_dtype), value_states.to(self.exact_dtype)
         n_sink = min(max(self.method.sink_tokens - self.sink_k.shape[2], 0), key_states.shape[2])
         if n_sink:
             self.sink_k = torch.cat([self.sink_k, key_states[:, :, :n_sink]], dim=2)
@@ -176,8 +178,8 @@ class KVPackLayer(CacheLayerMixin):
     def _reopen_last_segment(self) -> None:
         seg = self.segments.pop()
         pos = self.positions(seg.start, seg.length)
-        k = seg.key_codec.decode(seg.keys, pos).to(self.dtype)
-        v = seg.value_codec.decode(seg.values, pos).to(self.dtype)
+        k = seg.key_codec.decode(seg.keys, pos).to(self.exact_dtype)
+        v = seg.value_codec.decode(seg.values, pos).to(self.exact_dtype)
         self.win_k = torch.cat([k, self.win_k], dim=2)
         self.win_v = torch.cat([v, self.win_v], dim=2)
 
@@ -205,7 +207,7 @@ class KVPackLayer(CacheLayerMixin):
             vs.append(seg.value_codec.decode(seg.values, pos).to(self.dtype))
         ks.append(self.win_k)
         vs.append(self.win_v)
-        return torch.cat(ks, dim=2), torch.cat(vs, dim=2)
+        return torch.cat([k.to(self.dtype) for k in ks], dim=2), torch.cat([v.to(self.dtype) for v in vs], dim=2)
 
     # -- accounting ----------------------------------------------------------------------------
     def memory(self) -> dict[str, int]:
