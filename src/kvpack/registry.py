@@ -140,7 +140,7 @@ def _kivi(arg: str) -> MethodConfig:
 
 
 def _shard(arg: str) -> MethodConfig:
-    stream = {"": CodecSpec("int8"), "int8": CodecSpec("int8"), "tq4": CodecSpec("turboquant", {"bits": 4})}
+    stream = {"": CodecSpec("int8"), "int8": CodecSpec("int8"), "tq4": CodecSpec("turboquant", {"bits": 4}), "fp16": CodecSpec("fp16")}
     if arg not in stream:
         raise ValueError(f"shard takes a decode-stream codec in {sorted(k for k in stream if k)} (e.g. shard:tq4), got {arg!r}")
     s = stream[arg]

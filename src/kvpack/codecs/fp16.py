@@ -39,9 +39,10 @@ class Fp16Codec(Codec):
         return packed.data.float()
 
     def scores(self, query: torch.Tensor, packed: Fp16Packed, query_positions=None, key_positions=None) -> torch.Tensor:
-        q = group_query(query, self.kv_heads).to(packed.data.dtype)
-        return ungroup((q @ packed.data.transpose(-1, -2)).float(), query.shape[1])
+        # fp32 math: half-precision matmuls are slow on CPU and lose accuracy in the sum
+        q = group_query(query.float(), self.kv_heads)
+        return ungroup(q @ packed.data.float().transpose(-1, -2), query.shape[1])
 
     def weighted_sum(self, probs: torch.Tensor, packed: Fp16Packed) -> torch.Tensor:
-        p = group_query(probs, self.kv_heads).to(packed.data.dtype)
-        return ungroup((p @ packed.data).float(), probs.shape[1])
+        p = group_query(probs.float(), self.kv_heads)
+        return ungroup(p @ packed.data.float(), probs.shape[1])
