@@ -1,7 +1,8 @@
 """Per-token symmetric int8 with an fp16 scale: near-lossless streaming at 2x fewer bytes than fp16.
 
 Scores and weighted sums factor the per-token scale out of the matmul, so the int8 codes are
-multiplied directly and never rescaled into a float copy of K or V.
+multiplied directly and never rescaled into a float copy of K or V; on CPU they run in
+`kvpack.kernels` (codes widened one token row at a time, in registers).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import kernels
 from .base import Codec, Packed, group_query, ungroup
 
 
@@ -38,9 +40,13 @@ class Int8Codec(Codec):
 
     def scores(self, query: torch.Tensor, packed: Int8Packed, query_positions=None, key_positions=None) -> torch.Tensor:
         q = group_query(query.float(), self.kv_heads)
+        if packed.codes.device.type == "cpu" and kernels.available():
+            return ungroup(kernels.int8_scores(q, packed.codes, packed.scale), query.shape[1])
         raw = q @ packed.codes.to(q.dtype).transpose(-1, -2)  # (b, kv, rows, tokens)
         return ungroup(raw * packed.scale.float().transpose(-1, -2), query.shape[1])
 
     def weighted_sum(self, probs: torch.Tensor, packed: Int8Packed) -> torch.Tensor:
+        if packed.codes.device.type == "cpu" and kernels.available():
+            return ungroup(kernels.int8_weighted_sum(group_query(probs.float(), self.kv_heads), packed.codes, packed.scale), probs.shape[1])
         p = group_query(probs.float(), self.kv_heads) * packed.scale.float().transpose(-1, -2)
         return ungroup(p @ packed.codes.to(p.dtype), probs.shape[1])
