@@ -115,7 +115,7 @@ def test_bad_input_names_the_problem(name, options, tokens):
     [
         (TurboQuantConfig, {"bits": 5}, r"bits must be one of \(1, 2, 3, 4\)"),
         (TurboQuantConfig, {"bits": 0}, r"bits must be one of"),
-        (TurboQuantConfig, {"rotation": "dct"}, r"rotation must be one of \('qr', 'hadamard'\)"),
+        (TurboQuantConfig, {"rotation": "dct"}, r"rotation must be one of \('auto', 'qr', 'hadamard'\)"),
         (TurboQuantConfig, {"codebook": "uniform"}, r"codebook must be one of"),
         (TurboQuantConfig, {"qjl": 1}, r"qjl must be True or False"),
         (QJLConfig, {"sketch_ratio": 0}, r"sketch_ratio must be a positive number"),
@@ -173,17 +173,31 @@ def test_nbytes_matches_hand_count_and_real_storage(codec, d, expected):
 
 
 def test_rotations_built_once_and_reproducible_per_layer_head():
-    a = TurboQuantCodec(TurboQuantConfig(3), 64, 4, layer_idx=2)
+    a = TurboQuantCodec(TurboQuantConfig(3, rotation="qr"), 64, 4, layer_idx=2)
     x = torch.randn(1, 4, 10, 64)
     rot = a.rotation(x.device)
     a.encode(x)
     assert a.rotation(x.device) is rot and rot.shape == (4, 64, 64)
     assert len({tuple(r[0, :3].tolist()) for r in rot}) == 4  # distinct per head
-    b = TurboQuantCodec(TurboQuantConfig(3), 64, 4, layer_idx=2)
+    b = TurboQuantCodec(TurboQuantConfig(3, rotation="qr"), 64, 4, layer_idx=2)
     assert torch.equal(b.encode(x).codes, a.encode(x).codes)
-    c = TurboQuantCodec(TurboQuantConfig(3), 64, 4, layer_idx=5)
+    c = TurboQuantCodec(TurboQuantConfig(3, rotation="qr"), 64, 4, layer_idx=5)
     assert not torch.equal(c.rotation(x.device), rot)
     assert a.state_nbytes() == 4 * 64 * 64 * 4
+
+
+def test_auto_rotation_is_fwht_hadamard_holding_only_signs():
+    x = torch.randn(1, 4, 10, 64)
+    auto = TurboQuantCodec(TurboQuantConfig(3), 64, 4, layer_idx=2)
+    assert auto.rotation_kind == "hadamard"
+    packed = auto.encode(x)
+    assert auto.state_nbytes() == 4 * 64 * 4  # one ±1 vector per head, no dense matrix
+    dense = auto.rotation(x.device)  # the same map as an explicit matrix, built independently
+    torch.testing.assert_close(auto._rotate(x), x @ dense.mT, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(dense @ dense.mT, torch.eye(64).expand(4, 64, 64), atol=1e-5, rtol=0)
+    explicit = TurboQuantCodec(TurboQuantConfig(3, rotation="hadamard"), 64, 4, layer_idx=2)
+    assert torch.equal(explicit.encode(x).codes, packed.codes)
+    assert TurboQuantCodec(TurboQuantConfig(3), 96, 1).rotation_kind == "qr"
 
 
 # -- distortion against theory -----------------------------------------------------------------------

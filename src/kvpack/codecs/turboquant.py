@@ -26,11 +26,19 @@ from .. import kernels
 from ..primitives.lloyd_max import DISTRIBUTIONS, Codebook, lloyd_max_codebook
 from ..primitives.packing import pack_bits, unpack_bits
 from ..primitives.qjl import qjl_matrix
-from ..primitives.rotation import derive_seed, hadamard_matrix, random_orthogonal, random_signs
+from ..primitives.rotation import (
+    derive_seed,
+    hadamard_matrix,
+    is_power_of_two,
+    random_orthogonal,
+    random_signs,
+    randomized_hadamard,
+    randomized_hadamard_inverse,
+)
 from ..primitives.validation import check_query
 from .base import Codec, Packed, group_query, ungroup
 
-ROTATIONS = ("qr", "hadamard")
+ROTATIONS = ("auto", "qr", "hadamard")
 
 
 @dataclass(frozen=True)
@@ -46,7 +54,7 @@ class TurboQuantConfig:
 
     bits: int = 4
     qjl: bool = False
-    rotation: str = "qr"
+    rotation: str = "auto"
     codebook: str = "beta"
     seed: int = 0
 
@@ -94,16 +102,49 @@ class TurboQuantCodec(Codec):
         super().__init__(config, head_dim, kv_heads, layer_idx)
         self.mse_bits = config.mse_bits
         self.codebook: Codebook | None = lloyd_max_codebook(head_dim, self.mse_bits, config.codebook) if self.mse_bits else None
-        self._rotation: torch.Tensor | None = None  # (kv_heads, d, d), built on first use
+        self._rotation: torch.Tensor | None = None  # (kv_heads, d, d), built on first use (QR only)
+        self._signs_vec: torch.Tensor | None = None  # (kv_heads, 1, d) Hadamard signs
         self._sketch: torch.Tensor | None = None  # (kv_heads, d, d) S' acting on rotated residuals
 
     # -- lazily built per-head state ------------------------------------------------------------
+    @property
+    def rotation_kind(self) -> str:
+        """"auto" is the randomized Hadamard for power-of-two head dims (O(d log d), only d signs
+        held per head), the dense QR rotation otherwise (a block Hadamard would not mix blocks)."""
+        if self.config.rotation != "auto":
+            return self.config.rotation
+        return "hadamard" if is_power_of_two(self.head_dim) else "qr"
+
     def rotation(self, device: torch.device) -> torch.Tensor:
+        """The dense `(kv_heads, d, d)` rotations Π; held only for QR (Hadamard is applied by FWHT)."""
+        if self.rotation_kind == "hadamard" and is_power_of_two(self.head_dim):
+            return head_rotations("hadamard", self.head_dim, self.kv_heads, self.config.seed, self.layer_idx).to(device)
         if self._rotation is None:
-            self._rotation = head_rotations(self.config.rotation, self.head_dim, self.kv_heads, self.config.seed, self.layer_idx)
+            self._rotation = head_rotations(self.rotation_kind, self.head_dim, self.kv_heads, self.config.seed, self.layer_idx)
         if self._rotation.device != device:
             self._rotation = self._rotation.to(device)
         return self._rotation
+
+    def _hadamard_signs(self, device: torch.device) -> torch.Tensor | None:
+        """`(kv_heads, 1, d)` signs when Π is a randomized Hadamard of power-of-two size, else None."""
+        if self.rotation_kind != "hadamard" or not is_power_of_two(self.head_dim):
+            return None
+        if self._signs_vec is None:
+            seeds = [derive_seed(self.config.seed, self.layer_idx, h) for h in range(self.kv_heads)]
+            self._signs_vec = torch.stack([random_signs(self.head_dim, s) for s in seeds]).unsqueeze(1)
+        if self._signs_vec.device != device:
+            self._signs_vec = self._signs_vec.to(device)
+        return self._signs_vec
+
+    def _rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """Rows of `x (b, kv, n, d)` mapped to Πx."""
+        signs = self._hadamard_signs(x.device)
+        return x @ self.rotation(x.device).mT if signs is None else randomized_hadamard(x, signs)
+
+    def _unrotate(self, y: torch.Tensor) -> torch.Tensor:
+        """Rows of `y (b, kv, n, d)` mapped to Πᵀy."""
+        signs = self._hadamard_signs(y.device)
+        return y @ self.rotation(y.device) if signs is None else randomized_hadamard_inverse(y, signs)
 
     def sketch(self, device: torch.device) -> torch.Tensor:
         if self._sketch is None:
@@ -137,7 +178,7 @@ class TurboQuantCodec(Codec):
         self._check(x)
         x = x.float()
         norm, unit = norm_and_direction(x)
-        y = unit @ self.rotation(x.device).mT  # (b, kv, t, d) rotated unit vectors
+        y = self._rotate(unit)  # (b, kv, t, d) rotated unit vectors
         norm16 = norm.half()
         if self.codebook is None:
             codes = torch.empty(*x.shape[:3], 0, dtype=torch.uint8, device=x.device)
@@ -162,7 +203,7 @@ class TurboQuantCodec(Codec):
 
     def decode(self, packed: TurboQuantPacked, positions: torch.Tensor | None = None) -> torch.Tensor:
         y = self._decode_rotated(packed)
-        return y @ self.rotation(y.device)  # Πᵀ applied to rows
+        return self._unrotate(y)
 
     def scores(self, query: torch.Tensor, packed: TurboQuantPacked, query_positions=None, key_positions=None) -> torch.Tensor:
         """<q, k̂> = ||k|| <Πq, c[idx]> (+ sqrt(pi/2)/d ||r|| <S'Πq, signs>), query rotated once.
@@ -172,7 +213,7 @@ class TurboQuantCodec(Codec):
         rotated space and one dense matmul. The QJL residual term stays in torch.
         """
         check_query(query, self.kv_heads, self.head_dim)
-        q = group_query(query.float(), self.kv_heads) @ self.rotation(query.device).mT  # (b, kv, rows, d)
+        q = self._rotate(group_query(query.float(), self.kv_heads))  # (b, kv, rows, d)
         if self._use_kernels(packed):
             out = kernels.lut_scores(q, packed.codes, packed.norm, self.codebook.centroids, self.mse_bits)  # (b, kv, rows, t)
         else:
@@ -194,4 +235,4 @@ class TurboQuantCodec(Codec):
         if packed.signs is not None:
             coef = math.sqrt(math.pi / 2) / self.head_dim * packed.residual_norm.float().mT
             acc = acc + ((p * coef) @ self._signs(packed)) @ self.sketch(acc.device)
-        return ungroup(acc @ self.rotation(acc.device), probs.shape[1])
+        return ungroup(self._unrotate(acc), probs.shape[1])
