@@ -42,6 +42,9 @@ class Allocation(str, Enum):
     MODEL = "model"  # blog §5 model `variance / (3 * 4^bits)`: blind to 2-bit absmax codes rounding most values to 0
 
 
+MAX_IDENTITY_QUERIES = 4  # query tokens per call up to which scores use the RoPE identity
+
+
 def _absmax_error(coefs: torch.Tensor, bits: int) -> float:
     """Mean squared error per sample of symmetric `bits`-bit codes with an absmax scale per component."""
     qmax = (1 << (bits - 1)) - 1
@@ -268,9 +271,17 @@ class PCAKeyCodec(Codec):
         query_positions: torch.Tensor | None = None,
         key_positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Raw <RoPE(q), RoPE(k)> `(batch, q_heads, q_len, tokens)` from the coefficient codes (blog §9)."""
+        """Raw <RoPE(q), RoPE(k)> `(batch, q_heads, q_len, tokens)` from the coefficient codes (blog §9).
+
+        Decode steps (q_len <= MAX_IDENTITY_QUERIES) use the relative-position identity and never
+        rebuild K. Its cost per key token is rows·d·rank, which for a multi-token chunk (prompt
+        continuation, perplexity scoring) exceeds rebuilding K in token chunks by ~100x on CPU,
+        so those calls decode, re-RoPE and matmul instead.
+        """
         check_query(query, self.kv_heads, self.head_dim)
         b, q_heads, q_len, d = query.shape
+        if q_len > MAX_IDENTITY_QUERIES:
+            return super().scores(query, packed, query_positions, key_positions)
         device, tokens = query.device, packed.num_tokens
         cos, sin = self._cos_sin(query_positions, b, q_len, device)
         q0 = undo_rope(query.float(), cos, sin) * self.rope.scaling**2  # <RoPE q, RoPE k> = s² <q0, R(Δ) k0>
