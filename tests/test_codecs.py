@@ -26,6 +26,7 @@ CODECS = [
     *[("turboquant", {"bits": b, "qjl": q}, 37) for b in (1, 2, 3, 4) for q in (False, True)],
     ("turboquant", {"bits": 3, "rotation": "hadamard"}, 37),
     ("turboquant", {"bits": 4, "center": True}, 37),
+    ("turboquant", {"bits": 3, "center": True, "channel_scale": 1.0}, 37),
     ("turboquant", {"bits": 3, "qjl": True, "center": True, "rotation": "qr"}, 37),
     ("turboquant", {"bits": 2, "qjl": True, "rotation": "hadamard", "codebook": "gaussian"}, 37),
     ("polarquant-int4", {}, 37),

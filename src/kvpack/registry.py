@@ -118,8 +118,10 @@ def _turboquant(arg: str) -> MethodConfig:
     if not match:
         raise ValueError(f"turboquant takes 'kXvY' with X, Y in 1..4 and an optional '+qjl' (e.g. turboquant:k3v3), got {arg!r}")
     kb, vb, qjl = int(match[1]), int(match[2]), bool(match[3])
-    key = CodecSpec("turboquant", {"bits": kb, "qjl": qjl, "center": True})
-    return MethodConfig(f"turboquant:{arg or 'k4v4'}", key, CodecSpec("turboquant", {"bits": vb, "center": True}))
+    # kvpack normalizes before TurboQuant: per-head mean and per-channel RMS (see TurboQuantConfig).
+    norm = {"center": True, "channel_scale": 1.0}
+    key = CodecSpec("turboquant", {"bits": kb, "qjl": qjl, **norm})
+    return MethodConfig(f"turboquant:{arg or 'k4v4'}", key, CodecSpec("turboquant", {"bits": vb, **norm}))
 
 
 def _polarquant(_: str) -> MethodConfig:

@@ -55,6 +55,11 @@ class TurboQuantConfig:
         shared component (272 of a 277 norm in layer 0) and quantization error scales with the
         whole norm, swamping the token-to-token variation that attention reads. The mean costs
         one q·μ per query and μ·Σp per output: exact in the compressed domain.
+    channel_scale: α in [0, 1]; divide each channel by RMS^α of its fitted values (tied across
+        RoPE pairs i, i + d/2, which RoPE mixes) before rotating; 0 disables. A rotation makes the error isotropic, so without it
+        Qwen2's few huge key channels push error into the small channels attention also reads;
+        scaled, the error follows each channel's range (KIVI's per-channel insight). The scale
+        folds into the query (q⊙σ) and into the output: exact in the compressed domain.
     """
 
     bits: int = 4
@@ -63,6 +68,7 @@ class TurboQuantConfig:
     codebook: str = "beta"
     seed: int = 0
     center: bool = False
+    channel_scale: float = 0.0
 
     def __post_init__(self):
         if self.bits not in (1, 2, 3, 4):
@@ -73,6 +79,8 @@ class TurboQuantConfig:
             raise ValueError(f"rotation must be one of {ROTATIONS}, got {self.rotation!r}")
         if self.codebook not in DISTRIBUTIONS:
             raise ValueError(f"codebook must be one of {DISTRIBUTIONS}, got {self.codebook!r}")
+        if not 0.0 <= float(self.channel_scale) <= 1.0:
+            raise ValueError(f"channel_scale must be in [0, 1] (0 disables), got {self.channel_scale!r}")
 
     @property
     def mse_bits(self) -> int:
@@ -111,6 +119,7 @@ class TurboQuantCodec(Codec):
         self._rotation: torch.Tensor | None = None  # (kv_heads, d, d), built on first use (QR only)
         self._signs_vec: torch.Tensor | None = None  # (kv_heads, 1, d) Hadamard signs
         self.mean: torch.Tensor | None = None  # (kv_heads, d) float32 when `center`
+        self.scale: torch.Tensor | None = None  # (kv_heads, d) float32 when `channel_scale`
         self._sketch: torch.Tensor | None = None  # (kv_heads, d, d) S' acting on rotated residuals
 
     # -- lazily built per-head state ------------------------------------------------------------
@@ -183,9 +192,26 @@ class TurboQuantCodec(Codec):
     # -- codec interface ---------------------------------------------------------------------------
     def fit(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> None:
         """Per-head mean of `x (batch, kv_heads, tokens, d)` when `center` (else nothing to learn)."""
+        self._check(x)
+        x = x.float()
         if self.config.center:
-            self._check(x)
-            self.mean = x.float().mean(dim=(0, 2))
+            self.mean = x.mean(dim=(0, 2))
+            x = x - self.mean[None, :, None, :]
+        if self.config.channel_scale:
+            ms = x.pow(2).mean(dim=(0, 2))  # (kv, d)
+            half = self.head_dim // 2
+            if self.head_dim % 2 == 0:  # tie RoPE pairs so a rotation by RoPE keeps the scaling valid
+                ms = ms.view(-1, 2, half).mean(1, keepdim=True).expand(-1, 2, half).reshape(-1, self.head_dim)
+            rms = ms.sqrt().clamp_min(1e-6 * ms.sqrt().max().clamp_min(1e-30))
+            self.scale = rms.pow(self.config.channel_scale)
+
+    def _scale(self, device: torch.device) -> torch.Tensor | None:
+        """`(1, kv_heads, 1, d)` fitted channel scale, or None."""
+        if self.scale is None:
+            return None
+        if self.scale.device != device:
+            self.scale = self.scale.to(device)
+        return self.scale[None, :, None, :]
 
     def _mean(self, device: torch.device) -> torch.Tensor | None:
         """`(1, kv_heads, 1, d)` fitted mean, or None when not centering."""
@@ -197,12 +223,14 @@ class TurboQuantCodec(Codec):
 
     def encode(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> TurboQuantPacked:
         self._check(x)
-        if self.config.center and self.mean is None:
+        if (self.config.center and self.mean is None) or (self.config.channel_scale and self.scale is None):
             self.fit(x)
         x = x.float()
-        mean = self._mean(x.device)
+        mean, scale = self._mean(x.device), self._scale(x.device)
         if mean is not None:
             x = x - mean
+        if scale is not None:
+            x = x / scale
         norm, unit = norm_and_direction(x)
         y = self._rotate(unit)  # (b, kv, t, d) rotated unit vectors
         norm16 = norm.half()
@@ -229,7 +257,9 @@ class TurboQuantCodec(Codec):
 
     def decode(self, packed: TurboQuantPacked, positions: torch.Tensor | None = None) -> torch.Tensor:
         y = self._unrotate(self._decode_rotated(packed))
-        mean = self._mean(y.device)
+        mean, scale = self._mean(y.device), self._scale(y.device)
+        if scale is not None:
+            y = y * scale
         return y if mean is None else y + mean
 
     def scores(self, query: torch.Tensor, packed: TurboQuantPacked, query_positions=None, key_positions=None) -> torch.Tensor:
@@ -240,7 +270,9 @@ class TurboQuantCodec(Codec):
         rotated space and one dense matmul. The QJL residual term stays in torch.
         """
         check_query(query, self.kv_heads, self.head_dim)
-        q = self._rotate(group_query(query.float(), self.kv_heads))  # (b, kv, rows, d)
+        q = group_query(query.float(), self.kv_heads)  # (b, kv, rows, d)
+        scale = self._scale(q.device)
+        q = self._rotate(q if scale is None else q * scale)
         if self._use_kernels(packed):
             out = kernels.lut_scores(q, packed.codes, packed.norm, self.codebook.centroids, self.mse_bits)  # (b, kv, rows, t)
         else:
@@ -265,6 +297,8 @@ class TurboQuantCodec(Codec):
             coef = math.sqrt(math.pi / 2) / self.head_dim * packed.residual_norm.float().mT
             acc = acc + ((p * coef) @ self._signs(packed)) @ self.sketch(acc.device)
         out = self._unrotate(acc)
+        if self.scale is not None:
+            out = out * self._scale(out.device)
         if self.mean is not None:  # Σ p·μ = μ·Σp (probs are unnormalized partials)
             out = out + p.sum(-1, keepdim=True) * self._mean(out.device)
         return ungroup(out, probs.shape[1])
