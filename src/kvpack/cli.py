@@ -11,7 +11,6 @@ import argparse
 import json
 import sys
 import time
-import tomllib
 from pathlib import Path
 
 from .models import DEFAULT_MODEL, list_models
@@ -40,6 +39,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-tokens", type=int, default=32, help="greedy tokens timed for decode speed")
     p.add_argument("--fidelity-steps", type=int, default=8, help="decode steps compared for attention fidelity")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch default); 1 is steadier on a shared machine")
     p.add_argument("--json", help="write {config, rows} JSON here")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
 
@@ -67,6 +67,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
     if getattr(args, "config", None):
+        try:
+            import tomllib
+        except ModuleNotFoundError:  # Python 3.10
+            import tomli as tomllib
         with open(args.config, "rb") as f:
             data = tomllib.load(f)
         section = data.get(args.command, {})
@@ -88,14 +92,19 @@ def _eval_config(args, methods: list[str]):
         model=args.model, methods=methods, context=args.context, ppl_tokens=args.ppl_tokens, chunk=args.chunk,
         needle_lengths=_list(args.needle_lengths, int), needle_depths=_list(args.needle_depths, float), needle=args.needle,
         decode_tokens=args.decode_tokens, fidelity_steps=args.fidelity_steps, text=args.text, dtype=args.dtype, seed=args.seed,
+        threads=args.threads,
     )
 
 
 def _run(args, methods: list[str]) -> tuple[object, list[dict]]:
+    import torch
+
     from .eval.runner import run
     from .models import load_model
 
     cfg = _eval_config(args, methods)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
     start = time.perf_counter()
     model, tokenizer = load_model(cfg.model, dtype=cfg.torch_dtype)
     print(f"loaded {cfg.model} in {time.perf_counter() - start:.1f} s; {cfg.context}-token context, {cfg.text} text, {cfg.dtype}", flush=True)

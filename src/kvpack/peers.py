@@ -4,8 +4,8 @@ dynamic       transformers `DynamicCache`: the uncompressed baseline (model dtyp
 hf-quanto:N   transformers `QuantizedCache(backend="quanto", nbits=N)`, N in {2, 4}; needs `optimum-quanto`.
 hf-hqq:N      transformers `QuantizedCache(backend="hqq", nbits=N)`, N in {2, 4}; needs `hqq`.
 
-The quantized peers use transformers' defaults (group 64, residual window 128 tokens) and the axes
-the transformers cache documentation recommends per backend: quanto per-channel (axis 0), hqq axis 1.
+The quantized peers use transformers' defaults: group 64, residual window 128 tokens, axis 0 for keys
+and values. (hqq with axis 1 fails whenever kv_heads x tokens is odd, e.g. SmolLM2's 3 kv heads.)
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 from transformers.cache_utils import Cache, DynamicCache, QuantizedCache
 
 PEERS = ("dynamic", "hf-quanto:2", "hf-quanto:4", "hf-hqq:2", "hf-hqq:4")
-_BACKENDS = {"hf-quanto": ("quanto", "optimum-quanto", 0), "hf-hqq": ("hqq", "hqq", 1)}
+_BACKENDS = {"hf-quanto": ("quanto", "optimum-quanto"), "hf-hqq": ("hqq", "hqq")}
 
 
 class PeerUnavailable(RuntimeError):
@@ -31,9 +31,9 @@ def build_peer(model, method: str) -> Cache:
     name, _, bits = method.partition(":")
     if name not in _BACKENDS or bits not in ("2", "4"):
         raise ValueError(f"unknown peer {method!r}; available: {list(PEERS)}")
-    backend, package, axis = _BACKENDS[name]
+    backend, package = _BACKENDS[name]
     try:
-        return QuantizedCache(backend=backend, config=model.config, nbits=int(bits), axis_key=axis, axis_value=axis)
+        return QuantizedCache(backend=backend, config=model.config, nbits=int(bits), axis_key=0, axis_value=0)
     except ImportError as err:
         raise PeerUnavailable(f"{method}: backend package missing ({err}); install it with: pip install {package}") from err
     except ValueError as err:

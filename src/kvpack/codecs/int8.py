@@ -40,13 +40,13 @@ class Int8Codec(Codec):
 
     def scores(self, query: torch.Tensor, packed: Int8Packed, query_positions=None, key_positions=None) -> torch.Tensor:
         q = group_query(query.float(), self.kv_heads)
-        if packed.codes.device.type == "cpu" and kernels.available():
+        if q.shape[2] <= kernels.MAX_KERNEL_ROWS and packed.codes.device.type == "cpu" and kernels.available():
             return ungroup(kernels.int8_scores(q, packed.codes, packed.scale), query.shape[1])
         raw = q @ packed.codes.to(q.dtype).transpose(-1, -2)  # (b, kv, rows, tokens)
         return ungroup(raw * packed.scale.float().transpose(-1, -2), query.shape[1])
 
     def weighted_sum(self, probs: torch.Tensor, packed: Int8Packed) -> torch.Tensor:
-        if packed.codes.device.type == "cpu" and kernels.available():
+        if probs.shape[1] // self.kv_heads * probs.shape[2] <= kernels.MAX_KERNEL_ROWS and packed.codes.device.type == "cpu" and kernels.available():
             return ungroup(kernels.int8_weighted_sum(group_query(probs.float(), self.kv_heads), packed.codes, packed.scale), probs.shape[1])
         p = group_query(probs.float(), self.kv_heads) * packed.scale.float().transpose(-1, -2)
         return ungroup(p @ packed.codes.to(p.dtype), probs.shape[1])

@@ -183,8 +183,10 @@ class TurboQuantCodec(Codec):
         byte_table = self.codebook.lookup(unpack_bits(torch.arange(256, dtype=torch.uint8, device=packed.codes.device)[:, None], self.mse_bits, per))
         return torch.nn.functional.embedding(packed.codes.long(), byte_table).flatten(-2)[..., : self.head_dim]
 
-    def _use_kernels(self, packed: TurboQuantPacked) -> bool:
-        return self.codebook is not None and packed.codes.device.type == "cpu" and kernels.available()
+    def _use_kernels(self, packed: TurboQuantPacked, rows: int) -> bool:
+        """The fused kernel for decode-sized row counts; many rows (prompt chunks) amortize one
+        unpack over a matmul better than a lookup table per row."""
+        return self.codebook is not None and rows <= kernels.MAX_KERNEL_ROWS and packed.codes.device.type == "cpu" and kernels.available()
 
     def _signs(self, packed: TurboQuantPacked) -> torch.Tensor:
         return unpack_bits(packed.signs, 1, self.head_dim).float() * 2 - 1
@@ -273,7 +275,7 @@ class TurboQuantCodec(Codec):
         q = group_query(query.float(), self.kv_heads)  # (b, kv, rows, d)
         scale = self._scale(q.device)
         q = self._rotate(q if scale is None else q * scale)
-        if self._use_kernels(packed):
+        if self._use_kernels(packed, q.shape[2]):
             out = kernels.lut_scores(q, packed.codes, packed.norm, self.codebook.centroids, self.mse_bits)  # (b, kv, rows, t)
         else:
             out = (q @ self._centroids(packed).mT) * packed.norm.float().mT  # (b, kv, rows, t)
@@ -289,7 +291,7 @@ class TurboQuantCodec(Codec):
         """Σ p·||v||·c[idx] accumulated in the rotated space (the CPU kernel decodes codes only in
         registers and L1), then one inverse rotation per head."""
         p = group_query(probs.float(), self.kv_heads)  # (b, kv, rows, t)
-        if self._use_kernels(packed):
+        if self._use_kernels(packed, p.shape[2]):
             acc = kernels.lut_weighted_sum(p, packed.codes, packed.norm, self.codebook.centroids, self.mse_bits, self.head_dim)
         else:
             acc = (p * packed.norm.float().mT) @ self._centroids(packed)

@@ -82,6 +82,8 @@ def _pareto(ax, rows: list[dict]) -> None:
     ax.set_xlabel("compression vs fp16 (x, higher is better)")
     ax.set_ylabel("perplexity delta vs uncompressed (%)")
     ax.set_yscale("symlog", linthresh=1.0)
+    lowest = min(y for _, y, _ in points) if points else 0.0
+    ax.set_ylim(bottom=min(lowest * 1.5, -0.5))  # no empty negative decades when nothing beats the baseline
     ax.grid(alpha=0.3)
 
 

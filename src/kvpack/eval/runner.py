@@ -45,6 +45,8 @@ class EvalConfig:
     dtype: str = "float32"
     seed: int = 0
     needle: bool = True
+    threads: int = 0  # torch CPU threads; 0 keeps torch's default
+
 
     def __post_init__(self):
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -89,6 +91,7 @@ def evaluate_method(model, tokenizer, method: str, cfg: EvalConfig, ids: torch.T
         "model": cfg.model, "method": method, "context": cfg.context, "status": "ok",
         "tokens": mem["tokens"], "total_bytes": mem["total_bytes"], "fp16_bytes": mem["fp16_bytes"],
         "bytes_per_token": mem["bytes_per_token"], "ratio_vs_fp16": mem["fp16_bytes"] / mem["total_bytes"],
+        "segments": mem.get("segments"),
         "ppl": ppl.ppl, "nll": ppl.nll, "ppl_tokens": ppl.tokens, "chunk": ppl.chunk,
         "needle_found": found, "needle_total": total, "needle": [t.as_dict() for t in trials],
         **{k: v for k, v in speed.as_dict().items() if k != "prompt_tokens"},

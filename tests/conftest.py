@@ -1,0 +1,26 @@
+"""Shared fixtures. Evaluation fixtures (issue 4) are prefixed `eval_`."""
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="session")
+def eval_tiny():
+    """(model, tokenizer): a 2-layer random Llama (hidden 64, 4 heads of dim 64, 2 kv heads) and a byte tokenizer."""
+    from kvpack.models import tiny_random_model
+
+    return tiny_random_model(seed=0)
+
+
+@pytest.fixture(scope="session")
+def eval_tiny_ids():
+    """600 reproducible token ids in the tiny model's vocabulary."""
+    return torch.randint(0, 256, (600,), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.fixture(scope="session")
+def eval_smollm2():
+    """(model, tokenizer): the real default model, fp32 (converted once into the kvpack cache dir)."""
+    from kvpack.models import load_model
+
+    return load_model("smollm2-135m")
