@@ -133,15 +133,16 @@ class KVPackLayer(CacheLayerMixin):
     # -- compression ---------------------------------------------------------------------------
     def flush(self) -> None:
         """Compress whole blocks that overflow the window (called after attention read them)."""
-        block = self.method.block_size
-        n_blocks = (self.win_k.shape[2] - self.method.window) // block
-        if n_blocks <= 0:
+        overflow = self.win_k.shape[2] - self.method.window
+        prefill = self.updates == 1 and self.method.prefill_key is not None
+        # Prefill codecs (PCA/VQ) take any token count, so the prompt leaves exactly `window`
+        # tokens behind; stream codecs take whole blocks (KIVI's per-channel groups need them).
+        n = overflow if prefill else overflow // self.method.block_size * self.method.block_size
+        if n <= 0:
             return
-        n = n_blocks * block
         k, v = self.win_k[:, :, :n], self.win_v[:, :, :n]
         start = self.length - self.win_k.shape[2]
         positions = self.positions(start, n)
-        prefill = self.updates == 1 and self.method.prefill_key is not None
         kind = "prefill" if prefill else "stream"
         kc, vc = self._codec(kind, "key"), self._codec(kind, "value")
         if prefill:
