@@ -23,14 +23,9 @@ def make_cache(model, method: str) -> Cache:
             return build_peer(model, method)
         except PeerUnavailable as err:
             raise MethodUnavailable(str(err)) from err
-    import kvpack  # lazily: the cache layer is optional for peers-only runs
+    import kvpack
 
-    if not hasattr(kvpack, "KVCache"):
-        raise MethodUnavailable(f"{method}: this kvpack build has no KVCache")
-    try:
-        return kvpack.KVCache(model, method)
-    except (ImportError, NotImplementedError) as err:
-        raise MethodUnavailable(f"{method}: {err}") from err
+    return kvpack.KVCache(model, method)
 
 
 @contextmanager
