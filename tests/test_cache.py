@@ -144,11 +144,28 @@ def test_memory_report_matches_hand_count():
     layer = KVPackLayer(get_method("int8"), 0, _Cfg())
     layer.update(torch.randn(b, hk, 300, d), torch.randn(b, hk, 300, d))
     layer.flush()
-    # 4 sinks + 64-token blocks leave a window of 64..127 tokens: 296 -> 192 compressed, 104 in the window.
+    # The prompt leaves 4 sinks and exactly the 64-token window: 296 -> 232 compressed.
     mem = layer.memory()
     assert mem["sink"] == 2 * b * hk * 4 * d * 2  # fp16 K and V (exact_dtype default)
-    assert mem["window"] == 2 * b * hk * 104 * d * 2
-    assert mem["stream:int8/int8"] == 2 * b * hk * 192 * (d + 2)  # int8 codes + fp16 scale per vector
+    assert mem["window"] == 2 * b * hk * 64 * d * 2
+    assert mem["stream:int8/int8"] == 2 * b * hk * 232 * (d + 2)  # int8 codes + fp16 scale per vector
+    # Decoded tokens leave in whole 64-token blocks: 63 more stay exact, the 64th flushes a block.
+    for step in range(64):
+        layer.update(torch.randn(b, hk, 1, d), torch.randn(b, hk, 1, d))
+        layer.flush()
+        expect_window = 64 + step + 1 if step < 63 else 64
+        assert layer.memory()["window"] == 2 * b * hk * expect_window * d * 2
+    assert layer.memory()["stream:int8/int8"] == 2 * b * hk * 296 * (d + 2)
+
+
+def test_prompt_flush_respects_codec_token_multiple():
+    b, hk, d = 1, 2, 64
+    layer = KVPackLayer(get_method("kivi:2"), 0, _Cfg())
+    layer.update(torch.randn(b, hk, 300, d), torch.randn(b, hk, 300, d))
+    layer.flush()
+    # KIVI keys quantize per channel over 32-token groups: 232 overflowing tokens -> 224 compressed.
+    assert layer.win_k.shape[2] == 300 - 4 - 224
+    assert sum(seg.length for seg in layer.segments) == 224
 
 
 def test_cache_memory_report_ratio_is_real():
@@ -160,8 +177,8 @@ def test_cache_memory_report_ratio_is_real():
     held = sum(sum(layer.memory().values()) for layer in cache.layers)
     assert rep["total_bytes"] == held
     assert rep["fp16_bytes"] == 2 * 1000 * 2 * 16 * 2 * 2  # layers * tokens * kv_heads * head_dim * (K+V) * 2 bytes
-    # Per layer: 4 fp16 sinks, 896 int8 tokens (head_dim 16 + fp16 scale), a 100-token fp16 window; K and V, 2 kv heads.
-    per_layer = 2 * 2 * (4 * 16 * 2 + 896 * (16 + 2) + 100 * 16 * 2)
+    # Per layer: 4 fp16 sinks, 932 int8 tokens (head_dim 16 + fp16 scale), a 64-token fp16 window; K and V, 2 kv heads.
+    per_layer = 2 * 2 * (4 * 16 * 2 + 932 * (16 + 2) + 64 * 16 * 2)
     assert rep["total_bytes"] == 2 * per_layer
 
 

@@ -85,3 +85,45 @@ def test_listings(capsys):
     assert cli.main(["models"]) == 0 and cli.main(["methods"]) == 0
     out = capsys.readouterr().out
     assert "smollm2-135m" in out and "hf-quanto:4" in out and "turboquant:k3v3" in out
+
+
+def test_compare_saves_rows_after_every_method(tmp_path, monkeypatch):
+    from kvpack.eval import runner
+
+    out = tmp_path / "rows.json"
+    seen = []
+    original = runner.evaluate_method
+
+    def record(model, tokenizer, method, *args, **kwargs):
+        if out.exists():  # what an interrupted run would have left: every earlier method, complete
+            seen.append([(r["method"], "ppl_delta_pct" in r) for r in json.loads(out.read_text())["rows"]])
+        return original(model, tokenizer, method, *args, **kwargs)
+
+    monkeypatch.setattr(runner, "evaluate_method", record)
+    assert cli.main(["compare", *TINY, "--no-needle", "--methods", "int8,kivi:4", "--json", str(out)]) == 0
+    assert seen == [[("dynamic", True)], [("dynamic", True), ("int8", True)]]
+    assert [r["method"] for r in json.loads(out.read_text())["rows"]] == ["dynamic", "int8", "kivi:4"]
+
+
+def test_merge_rows_replaces_a_rerun_method_and_marks_it():
+    import importlib.util
+    from pathlib import Path
+
+    from kvpack.eval.report import markdown_table
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "merge_rows.py"
+    spec = importlib.util.spec_from_file_location("merge_rows", path)
+    merge_rows = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(merge_rows)
+    config = {"model": "m", "context": 8192, "ppl_tokens": 512, "chunk": 256, "needle_lengths": [1024],
+              "needle_depths": [0.5], "text": "news", "dtype": "float32", "seed": 0}
+    row = lambda method, ppl, **kw: {"method": method, "status": "ok", "ppl": ppl, "needle_total": 0, **kw}  # noqa: E731
+    base = {"config": {**config, "methods": ["shard", "int8"]},
+            "rows": [row("dynamic", 10.0, baseline=True), row("shard", 12.0), row("int8", 10.1)]}
+    update = {"config": {**config, "methods": ["shard"]}, "rows": [row("dynamic", 10.0, baseline=True), row("shard", 10.2)]}
+    merged = merge_rows.merge(base, update, "u.json")
+    assert [(r["method"], r["ppl"]) for r in merged["rows"]] == [("dynamic", 10.0), ("shard", 10.2), ("int8", 10.1)]
+    assert merged["rows"][1]["merged_from"] == "u.json" and "merged_from" not in merged["rows"][2]
+    assert "| shard * |" in markdown_table(merged["rows"])
+    with pytest.raises(SystemExit, match="context"):
+        merge_rows.merge(base, {**update, "config": {**update["config"], "context": 2048}}, "u.json")

@@ -126,17 +126,18 @@ def test_bytes_per_token_match_hand_count():
     assert abs(fp16 / total - 2 * 384 / (24 + 48 + (9792 + 2624) / tokens)) < 1e-9
 
 
-def vq_codec(scope="layer", group=4, seed=0):
+def vq_codec(scope="layer", group=4, seed=0, token_norm=False):
     return VQValueCodec(
-        VQConfig(group_size=group, codebook_size=64, n_iter=6, seed=seed, fit_points=2048, scope=scope), D, KV, layer_idx=2
+        VQConfig(group_size=group, codebook_size=64, n_iter=6, seed=seed, fit_points=2048, scope=scope, token_norm=token_norm),
+        D, KV, layer_idx=2,
     )
 
 
-@pytest.mark.parametrize("scope", ["layer", "head"])
+@pytest.mark.parametrize("scope,token_norm", [("layer", False), ("head", False), ("layer", True)])
 @pytest.mark.parametrize("q_group,q_len,tokens", [(1, 1, 37), (3, 4, 129), (7, 2, 5)])
-def test_vq_hadamard_after_sum_equals_per_token_inverse(scope, q_group, q_len, tokens):
-    values = torch.randn(2, KV, tokens, D)
-    codec = vq_codec(scope)
+def test_vq_hadamard_after_sum_equals_per_token_inverse(scope, token_norm, q_group, q_len, tokens):
+    values = torch.randn(2, KV, tokens, D) * torch.rand(2, KV, tokens, 1).mul(3).exp()  # uneven token magnitudes
+    codec = vq_codec(scope, token_norm=token_norm)
     codec.fit(torch.randn(2, KV, 300, D))
     packed = codec.encode(values)  # a block the codec was not fit on
     probs = torch.rand(2, KV * q_group, q_len, tokens).softmax(-1)
@@ -159,6 +160,20 @@ def test_vq_reconstruction_reproducibility_and_state():
     assert err < 0.45  # 1.5 bits per element on Gaussian data (the rate-distortion bound is 2^-1.5 = 0.35)
 
 
+def test_vq_token_norm_follows_token_magnitudes():
+    gen = torch.Generator().manual_seed(3)
+    # Values whose per-token magnitude spans ~e^4: one shared codebook must spend codewords on sizes.
+    values = torch.randn(1, KV, 600, D, generator=gen) * torch.randn(1, KV, 600, 1, generator=gen).mul(1.0).exp()
+    plain, normed = vq_codec(), vq_codec(token_norm=True)
+    pp, pn = plain.encode(values), normed.encode(values)
+
+    def per_token_error(codec, packed):
+        return ((codec.decode(packed) - values).norm(dim=-1) / values.norm(dim=-1)).mean()
+
+    assert per_token_error(normed, pn) < 0.8 * per_token_error(plain, pp)
+    assert pn.norm.dtype == torch.float16 and pn.nbytes() == pp.nbytes() + KV * 600 * 2  # one fp16 RMS per token and head
+
+
 def test_configs_validate():
     with pytest.raises(ValueError, match="scope"):
         PCAConfig(scope="token")
@@ -166,5 +181,7 @@ def test_configs_validate():
         PCAConfig(bits=1)
     with pytest.raises(ValueError, match="codebook_size"):
         VQConfig(codebook_size=512)
+    with pytest.raises(ValueError, match="token_norm"):
+        VQConfig(token_norm="yes")
     with pytest.raises(ValueError, match="divide"):
         VQValueCodec(VQConfig(group_size=5), D, KV)

@@ -108,17 +108,20 @@ def _run(args, methods: list[str]) -> tuple[object, list[dict]]:
     start = time.perf_counter()
     model, tokenizer = load_model(cfg.model, dtype=cfg.torch_dtype)
     print(f"loaded {cfg.model} in {time.perf_counter() - start:.1f} s; {cfg.context}-token context, {cfg.text} text, {cfg.dtype}", flush=True)
-    return cfg, run(model, tokenizer, cfg, progress=not args.quiet, log=lambda s: print(s, flush=True))
+    # Rows are saved after every method, so an interrupted comparison keeps what it measured.
+    save = (lambda rows: _write_json(args.json, cfg, rows, quiet=True)) if args.json else None
+    return cfg, run(model, tokenizer, cfg, progress=not args.quiet, log=lambda s: print(s, flush=True), on_row=save)
 
 
-def _write_json(path: str | None, cfg, rows: list[dict]) -> None:
+def _write_json(path: str | None, cfg, rows: list[dict], quiet: bool = False) -> None:
     if not path:
         return
     from .eval.runner import config_dict
 
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps({"config": config_dict(cfg), "rows": rows}, indent=1))
-    print(f"wrote {path}")
+    if not quiet:
+        print(f"wrote {path}")
 
 
 def _default_method(method: str | None) -> str:

@@ -1,13 +1,14 @@
 """One model layer's compressed cache: `[sinks][compressed segments ...][recent window]`.
 
 New tokens land in the exact window. Once attention has read them (or at once, without
-`kvpack.enable`), tokens beyond the window leave it in whole blocks and are encoded by the
-method's codecs: the prompt's middle by the prefill codecs (Shard: PCA/VQ), later blocks by
-the stream codecs, appended to one growing stream segment.
+`kvpack.enable`), tokens beyond the window are encoded by the method's codecs: the prompt leaves
+exactly `window` exact tokens and its middle goes to the prefill codecs (Shard: PCA/VQ); later
+tokens leave in whole blocks for the stream codecs, appended to one growing stream segment.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -132,19 +133,22 @@ class KVPackLayer(CacheLayerMixin):
 
     # -- compression ---------------------------------------------------------------------------
     def flush(self) -> None:
-        """Compress whole blocks that overflow the window (called after attention read them)."""
+        """Compress what overflows the window (called after attention read it): the prompt, then whole blocks."""
         overflow = self.win_k.shape[2] - self.method.window
-        prefill = self.updates == 1 and self.method.prefill_key is not None
-        # Prefill codecs (PCA/VQ) take any token count, so the prompt leaves exactly `window`
-        # tokens behind; stream codecs take whole blocks (KIVI's per-channel groups need them).
-        n = overflow if prefill else overflow // self.method.block_size * self.method.block_size
+        first = self.updates == 1 and not self.segments
+        prefill = first and self.method.prefill_key is not None
+        kind = "prefill" if prefill else "stream"
+        kc, vc = self._codec(kind, "key"), self._codec(kind, "value")
+        # The prompt leaves exactly `window` exact tokens behind (up to the codecs' token multiple,
+        # e.g. KIVI's per-channel groups); later tokens leave in whole blocks, so that appending to
+        # a segment (a copy) happens once per block rather than once per decoded token.
+        step = math.lcm(kc.token_multiple, vc.token_multiple) if first else self.method.block_size
+        n = overflow // step * step
         if n <= 0:
             return
         k, v = self.win_k[:, :, :n], self.win_v[:, :, :n]
         start = self.length - self.win_k.shape[2]
         positions = self.positions(start, n)
-        kind = "prefill" if prefill else "stream"
-        kc, vc = self._codec(kind, "key"), self._codec(kind, "value")
         if prefill:
             kc.fit(k, positions)
             vc.fit(v, positions)

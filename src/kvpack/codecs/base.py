@@ -85,6 +85,11 @@ class Codec(ABC):
     # rotary frequencies; the cache passes positions and calls `set_rope` when this is True.
     uses_positions: ClassVar[bool] = False
 
+    @property
+    def token_multiple(self) -> int:
+        """Token counts `encode` accepts must be multiples of this (1: any count, per-token codecs)."""
+        return 1
+
     def __init__(self, config: Any, head_dim: int, kv_heads: int, layer_idx: int = 0):
         self.config = config
         self.head_dim = head_dim

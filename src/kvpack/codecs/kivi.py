@@ -85,6 +85,10 @@ class KiviCodec(Codec):
         if config.axis == "token" and head_dim % self.group:
             raise ValueError(f"group_size {self.group} must divide head_dim {head_dim} for axis='token' (e.g. group_size=16)")
 
+    @property
+    def token_multiple(self) -> int:
+        return self.group if self.config.axis == "channel" else 1
+
     def encode(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> KiviPacked:
         self._check(x)
         g, bits = self.group, self.config.bits

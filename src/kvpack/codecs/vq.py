@@ -39,7 +39,9 @@ class VQConfig:
     """group_size: channels per codeword (divides head_dim). codebook_size: entries per codebook, 2..256
     (indices take ceil(log2) bits). n_iter: Lloyd iterations. seed: rotation signs and k-means.
     fit_points: k-means is fit on at most this many groups per codebook (a seeded sample); every
-    group is then assigned. scope: `VQScope`."""
+    group is then assigned. scope: `VQScope`. token_norm: also divide each vector by its own RMS
+    (stored fp16, 2 bytes per token and head) so the codebook models directions, not magnitudes;
+    the norm folds into the attention probabilities, so `weighted_sum` stays in the rotated space."""
 
     group_size: int = 4
     codebook_size: int = 256
@@ -47,8 +49,11 @@ class VQConfig:
     seed: int = 0
     fit_points: int = 32768
     scope: VQScope = VQScope.LAYER
+    token_norm: bool = False
 
     def __post_init__(self):
+        if not isinstance(self.token_norm, bool):
+            raise ValueError(f"token_norm must be True or False, got {self.token_norm!r}")
         if self.group_size < 1:
             raise ValueError(f"group_size must be >= 1, got {self.group_size}")
         if not 2 <= self.codebook_size <= 256:
@@ -66,6 +71,7 @@ class VQConfig:
 @dataclass
 class VQPacked(Packed):
     indices: torch.Tensor  # (batch, kv_heads, tokens, bytes) uint8: bit-packed codeword indices per channel group
+    norm: torch.Tensor | None = None  # (batch, kv_heads, tokens, 1) float16 per-vector RMS (token_norm only)
 
 
 class VQValueCodec(Codec):
@@ -102,13 +108,20 @@ class VQValueCodec(Codec):
             return g.reshape(1, -1, self.config.group_size)
         return g.transpose(0, 1).reshape(self.kv_heads, -1, self.config.group_size)
 
+    def _token_rms(self, y: torch.Tensor) -> torch.Tensor:
+        """Per-vector RMS `(b, h, t, 1)` fp16 of channel-scaled rotated values (kept above 0)."""
+        return y.square().mean(-1, keepdim=True).sqrt().clamp_min(1e-4).half()
+
     def fit(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> None:
         """Channel scales and codebook(s) from values `x (batch, kv_heads, tokens, head_dim)`."""
         self._check(x)
         cfg = self.config
         y = self._rotate(x).cpu()
         self.scale = y.square().mean((0, 2)).sqrt().clamp_min(1e-6).half()
-        points = self._points(y / self.scale.float()[None, :, None])
+        y = y / self.scale.float()[None, :, None]
+        if cfg.token_norm:
+            y = y / self._token_rms(y).float()
+        points = self._points(y)
         if points.shape[1] > cfg.fit_points:
             # Pseudo-head ids -1 / -2 keep these streams apart from the per-head rotation signs.
             gen = torch.Generator().manual_seed(derive_seed(cfg.seed, self.layer_idx, -2))
@@ -122,12 +135,15 @@ class VQValueCodec(Codec):
         self._check(x)
         b, h, t, _ = x.shape
         y = self._rotate(x) / self.scale.float().to(x.device)[None, :, None]
+        norm = self._token_rms(y) if self.config.token_norm else None
+        if norm is not None:
+            y = y / norm.float()
         index, _ = assign(self._points(y), self.codebooks.float().to(x.device))
         if self.config.scope is VQScope.LAYER:
             index = index.reshape(b, h, t, self.n_groups)
         else:
             index = index.reshape(h, b, t, self.n_groups).transpose(0, 1)
-        return VQPacked(t, pack_bits(index, self.bits))
+        return VQPacked(t, pack_bits(index, self.bits), norm)
 
     def _lookup(self, indices: torch.Tensor) -> torch.Tensor:
         """Normalized rotated values `(b, h, t, head_dim)` float32 from packed indices."""
@@ -139,11 +155,16 @@ class VQValueCodec(Codec):
 
     def decode(self, packed: VQPacked, positions: torch.Tensor | None = None) -> torch.Tensor:
         scale = self.scale.float().to(packed.indices.device)[None, :, None]
-        return self._unrotate(self._lookup(packed.indices) * scale)
+        y = self._lookup(packed.indices)
+        if packed.norm is not None:
+            y = y * packed.norm.float()
+        return self._unrotate(y * scale)
 
     def weighted_sum(self, probs: torch.Tensor, packed: VQPacked) -> torch.Tensor:
         """`probs (batch, q_heads, q_len, tokens)` -> `(batch, q_heads, q_len, head_dim)`, one Hadamard at the end."""
         p = group_query(probs.float(), self.kv_heads)  # (b, kv, rows, t)
+        if packed.norm is not None:  # Σ_t p_t n_t c_t: the per-token norm rides on the probabilities
+            p = p * packed.norm.float().transpose(-1, -2)
         b, _, rows, tokens = p.shape
         step = max(1, _CHUNK_ELEMENTS // max(1, b * self.kv_heads * self.head_dim))
         acc = p.new_zeros(b, self.kv_heads, rows, self.head_dim)

@@ -39,7 +39,8 @@ def format_table(rows: list[dict]) -> str:
 
 
 def markdown_table(rows: list[dict]) -> str:
-    ok = [r for r in rows if r.get("status") == "ok"]
+    """Markdown of the ok rows; a row merged in from a later run (scripts/merge_rows.py) is marked `*`."""
+    ok = [{**r, "method": r["method"] + " *"} if r.get("merged_from") else r for r in rows if r.get("status") == "ok"]
     head = "| " + " | ".join(name for name, _, _ in COLUMNS) + " |"
     sep = "|" + "|".join("---" if i == 0 else "---:" for i in range(len(COLUMNS))) + "|"
     body = ["| " + " | ".join(_cell(r, k, f) for _, k, f in COLUMNS) + " |" for r in ok]

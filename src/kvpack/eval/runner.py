@@ -113,30 +113,51 @@ def _with_deltas(row: dict, base: dict) -> dict:
     return row
 
 
-def run(model, tokenizer, cfg: EvalConfig, progress: bool = True, log=print) -> list[dict]:
-    """Rows for the baseline and every method in cfg.methods (unavailable ones reported, not raised)."""
+def run(model, tokenizer, cfg: EvalConfig, progress: bool = True, log=print, on_row=None) -> list[dict]:
+    """Rows for the baseline and every method in cfg.methods (unavailable ones reported, not raised).
+
+    `on_row(rows)` is called with the finished rows after each method, so a long comparison can
+    save as it goes; every row is complete (deltas included) when it is handed over.
+    """
     n_tokens = cfg.context + max(cfg.ppl_tokens, cfg.fidelity_steps) + 1
     ids = token_stream(tokenizer, cfg.text, n_tokens)
     methods = [BASELINE] + [m for m in cfg.methods if m != BASELINE]
-    rows = []
+    rows: list[dict] = []
+    base: dict = {}
     for method in tqdm(methods, desc="methods", unit="method", disable=not progress):
-        try:
-            rows.append(evaluate_method(model, tokenizer, method, cfg, ids, progress))
-            log(f"  {method}: done in {rows[-1]['seconds']:.0f} s")
-        except MethodUnavailable as err:
-            rows.append({"model": cfg.model, "method": method, "context": cfg.context, "status": f"unavailable: {err}"})
-            log(f"  {method}: unavailable: {err}")
-        except Exception as err:  # one broken method must not lose a long comparison; the row says what failed
-            if method == BASELINE:
-                raise
-            rows.append({"model": cfg.model, "method": method, "context": cfg.context, "status": f"failed: {type(err).__name__}: {err}"})
-            log(f"  {method}: failed: {type(err).__name__}: {err}")
-    rows = [_with_deltas(row, rows[0]) for row in rows]
-    for row in rows:
-        row.pop("attention", None)
-        row["baseline"] = row["method"] == BASELINE
-        row["requested"] = row["method"] in cfg.methods
+        row = _evaluate_or_report(model, tokenizer, method, cfg, ids, progress, log)
+        if method == BASELINE:
+            base = row
+        rows.append(_finish(_with_deltas(row, base), base, cfg))
+        if on_row is not None:
+            on_row(rows)
+    base.pop("attention", None)
     return rows
+
+
+def _evaluate_or_report(model, tokenizer, method: str, cfg: EvalConfig, ids: torch.Tensor, progress: bool, log) -> dict:
+    try:
+        row = evaluate_method(model, tokenizer, method, cfg, ids, progress)
+        log(f"  {method}: done in {row['seconds']:.0f} s")
+        return row
+    except MethodUnavailable as err:
+        log(f"  {method}: unavailable: {err}")
+        return {"model": cfg.model, "method": method, "context": cfg.context, "status": f"unavailable: {err}"}
+    except Exception as err:  # one broken method must not lose a long comparison; the row says what failed
+        if method == BASELINE:
+            raise
+        log(f"  {method}: failed: {type(err).__name__}: {err}")
+        return {"model": cfg.model, "method": method, "context": cfg.context, "status": f"failed: {type(err).__name__}: {err}"}
+
+
+def _finish(row: dict, base: dict, cfg: EvalConfig) -> dict:
+    """The JSON-ready copy of a row (raw attention outputs dropped; the baseline keeps its own)."""
+    out = {k: v for k, v in row.items() if k != "attention"}
+    if row is not base:
+        row.pop("attention", None)
+    out["baseline"] = row["method"] == BASELINE
+    out["requested"] = row["method"] in cfg.methods
+    return out
 
 
 def config_dict(cfg: EvalConfig) -> dict:

@@ -1,0 +1,46 @@
+"""Replace rows of a `kvpack compare --json` file with the rows of a later run of the same protocol.
+
+    python scripts/merge_rows.py BASE.json UPDATE.json [--plot OUT.png]
+
+Used when one method changed after a long comparison: rerun only that method (`kvpack compare
+--methods shard ...`; compare always runs its own DynamicCache baseline) and merge. Each merged row
+keeps the deltas and ratios it was measured with, against the baseline of its own run; the row gets
+`"merged_from": UPDATE.json`. The protocols (context, tokens scored, needle grid, dtype) must match.
+BASE.json is rewritten in place.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+PROTOCOL = ("model", "context", "ppl_tokens", "chunk", "needle_lengths", "needle_depths", "text", "dtype", "seed")
+
+
+def merge(base: dict, update: dict, source: str) -> dict:
+    mismatch = [k for k in PROTOCOL if base["config"].get(k) != update["config"].get(k)]
+    if mismatch:
+        raise SystemExit(f"protocols differ in {mismatch}: rerun the update with the base run's options")
+    new = {r["method"]: {**r, "merged_from": source} for r in update["rows"] if not r.get("baseline")}
+    rows = [new.pop(r["method"], r) for r in base["rows"]] + list(new.values())
+    methods = base["config"]["methods"] + [m for m in update["config"]["methods"] if m not in base["config"]["methods"]]
+    return {"config": {**base["config"], "methods": methods}, "rows": rows}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("base")
+    p.add_argument("update")
+    p.add_argument("--plot", help="redraw the compare plot from the merged rows")
+    args = p.parse_args()
+    merged = merge(json.loads(Path(args.base).read_text()), json.loads(Path(args.update).read_text()), Path(args.update).name)
+    Path(args.base).write_text(json.dumps(merged, indent=1))
+    if args.plot:
+        from kvpack.eval.report import plot
+
+        plot(merged["rows"], args.plot)
+
+
+if __name__ == "__main__":
+    main()
