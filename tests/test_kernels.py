@@ -9,6 +9,7 @@ reference the kernels' error stays below 4e-6 of max |output| on this grid.
 from __future__ import annotations
 
 import itertools
+import os
 import warnings
 
 import pytest
@@ -21,6 +22,9 @@ from kvpack.primitives.lloyd_max import lloyd_max_codebook
 from kvpack.primitives.packing import pack_bits, unpack_bits
 
 if cpu_lut.unavailable_reason() is not None:
+    # CI sets KVPACK_REQUIRE_KERNELS=1: there a failed build is a failure, never a silent skip.
+    if os.environ.get("KVPACK_REQUIRE_KERNELS") == "1":
+        raise RuntimeError(f"KVPACK_REQUIRE_KERNELS=1 but the CPU kernels did not build: {cpu_lut.unavailable_reason()}")
     pytest.skip(f"kvpack CPU kernels did not build here: {cpu_lut.unavailable_reason()}", allow_module_level=True)
 
 B, H = 2, 2

@@ -12,7 +12,10 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from . import kernels
 from .cache.layer import KVPackLayer
+from .codecs.base import group_query, ungroup
+from .kernels import fused
 
 NAME = "kvpack"
 
@@ -124,6 +127,39 @@ def _segmented(layer: KVPackLayer, query: torch.Tensor, mask, scaling: float, so
     return partial.result()
 
 
+def fused_decode(layer: KVPackLayer, query: torch.Tensor, scaling: float) -> torch.Tensor | None:
+    """A one-token decode step on CPU with no mask: one fused kernel per part (see `kernels.fused`).
+
+    Returns `(b, q_heads, 1, d_v)` float32, or None when the step does not qualify (longer queries
+    need causal masking inside the window; padded batches carry a mask).
+    """
+    b, hq, lq, _ = query.shape
+    if lq != 1 or query.device.type != "cpu" or hq // layer.kv_heads > kernels.MAX_FUSED_ROWS or not kernels.available():
+        return None
+    q = group_query(query.float(), layer.kv_heads)  # (b, kv, group, d)
+    parts = []
+    for k, v in ((layer.sink_k, layer.sink_v), (layer.win_k, layer.win_v)):
+        if k.shape[2]:
+            part = fused.exact_partial(q, k, v, scaling)
+            if part is None:
+                return None
+            parts.append(part)
+    for seg in layer.segments:
+        parts.append(fused.segment_partial(q, seg, scaling) or _codec_partial(layer, seg, query, scaling))
+    return ungroup(fused.merge(parts), hq)
+
+
+def _codec_partial(layer: KVPackLayer, seg, query: torch.Tensor, scaling: float) -> fused.Partial:
+    """A segment without a fused kernel: its codecs' `scores` / `weighted_sum`, as a grouped partial."""
+    q_pos = layer.positions(layer.length - query.shape[2], query.shape[2])
+    s = seg.key_codec.scores(query, seg.keys, q_pos, layer.positions(seg.start, seg.length)) * scaling
+    m = s.amax(-1, keepdim=True)
+    p = torch.exp(s - m)
+    o = seg.value_codec.weighted_sum(p, seg.values)
+    kv = layer.kv_heads
+    return group_query(m, kv), group_query(p.sum(-1, keepdim=True), kv), group_query(o, kv)
+
+
 def kvpack_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
     """The function registered as attention implementation "kvpack".
 
@@ -135,7 +171,11 @@ def kvpack_attention_forward(module, query, key, value, attention_mask, dropout:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
     layer.set_positions(kwargs.get("position_ids"), query.shape[2])
-    out = segmented_attention(layer, query, attention_mask, scaling, kwargs.get("softcap"))
+    out = None
+    if attention_mask is None and kwargs.get("softcap") is None:
+        out = fused_decode(layer, query, scaling)
+    if out is None:
+        out = segmented_attention(layer, query, attention_mask, scaling, kwargs.get("softcap"))
     layer.flush()
     return out.to(query.dtype).transpose(1, 2).contiguous(), None
 

@@ -9,33 +9,77 @@ tokens leave in whole blocks for the stream codecs, appended to one growing stre
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import os
 
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from ..codecs.base import Codec, Packed, concat_packed
+from ..codecs.base import Codec, Packed, slice_packed
 from ..registry import EXACT_DTYPES, CodecSpec, MethodConfig
+from .blocks import BlockRun
+
+# Finiteness of new K/V is checked on every update on CPU (one pass over the new tokens only); on an
+# accelerator that check is a host sync per layer, so it runs only with KVPACK_DEBUG=1.
+DEBUG = os.environ.get("KVPACK_DEBUG", "0") == "1"
 
 
-@dataclass
+def check_new_states(k: torch.Tensor, v: torch.Tensor, layer_idx: int) -> None:
+    """Reject what a cache must not store, before anything is stored."""
+    for name, t in (("key_states", k), ("value_states", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if not t.dtype.is_floating_point:
+            raise TypeError(f"{name} must be floating point (float16/bfloat16/float32 activations), got {t.dtype}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must have shape (batch, kv_heads, tokens, head_dim), got {tuple(t.shape)}")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"key and value states disagree on (batch, kv_heads, tokens): {tuple(k.shape)} vs {tuple(v.shape)}")
+    if (DEBUG or k.device.type == "cpu") and k.numel() and not (torch.isfinite(k).all() and torch.isfinite(v).all()):
+        raise ValueError(
+            f"layer {layer_idx}: the new key/value states contain NaN or Inf, so nothing was stored (the cache is unchanged). "
+            "The model produced them: check its inputs and dtype (float16 activations can overflow; try bfloat16 or float32)."
+        )
+
+
 class Segment:
-    """Compressed tokens [start, start + length) of the logical sequence."""
+    """Compressed tokens [start, start + length) of the logical sequence: one codec pair's block runs."""
 
-    kind: str  # "prefill" | "stream"
-    key_codec: Codec
-    value_codec: Codec
-    keys: Packed
-    values: Packed
-    start: int
+    def __init__(self, kind: str, key_codec: Codec, value_codec: Codec, keys: Packed, values: Packed, start: int):
+        self.kind = kind  # "prefill" | "stream"
+        self.key_codec, self.value_codec = key_codec, value_codec
+        self.key_run, self.value_run = BlockRun(keys), BlockRun(values)
+        self.start = start
+
+    @property
+    def keys(self) -> Packed:
+        return self.key_run.view()
+
+    @property
+    def values(self) -> Packed:
+        return self.value_run.view()
 
     @property
     def length(self) -> int:
-        return self.keys.num_tokens
+        return self.key_run.length
+
+    @property
+    def token_multiple(self) -> int:
+        return math.lcm(self.key_codec.token_multiple, self.value_codec.token_multiple)
+
+    def append(self, keys: Packed, values: Packed) -> None:
+        self.key_run.append(keys)
+        self.value_run.append(values)
+
+    def truncate(self, length: int) -> None:
+        self.key_run.truncate(length)
+        self.value_run.truncate(length)
 
     def map(self, fn) -> None:
-        self.keys = self.keys.map_tensors(fn)
-        self.values = self.values.map_tensors(fn)
+        self.key_run.map(fn)
+        self.value_run.map(fn)
+
+    def nbytes(self) -> int:
+        return self.key_run.nbytes() + self.value_run.nbytes()
 
 
 class KVPackLayer(CacheLayerMixin):
@@ -60,6 +104,7 @@ class KVPackLayer(CacheLayerMixin):
         self.pos_offset: torch.Tensor | None = None  # (batch,) position of logical token 0
         self.updates = 0
         self._codecs: dict[str, Codec] = {}
+        self.pending_attention = False  # set by update, cleared when kvpack attention reads the layer
         self.is_initialized = False
 
     # -- transformers layer API ----------------------------------------------------------------
@@ -75,10 +120,20 @@ class KVPackLayer(CacheLayerMixin):
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Append new tokens; return dequantized K/V, or handles when kvpack attention is enabled."""
+        """Append new tokens; return dequantized K/V, or handles when kvpack attention is enabled.
+
+        Everything is checked before anything is stored: a rejected update leaves the layer as it was.
+        """
+        check_new_states(key_states, value_states, self.layer_idx)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self._check_new(key_states, value_states)
+        if self.pending_attention:
+            raise RuntimeError(
+                f"kvpack attention never read layer {self.layer_idx}'s previous update: the model ran another attention "
+                "implementation while this cache expected kvpack's (was kvpack.disable() or set_attn_implementation called "
+                "mid-generation?). Use a fresh cache, and keep kvpack.enable(model) on for its whole life."
+            )
         key_states, value_states = key_states.to(self.exact_dtype), value_states.to(self.exact_dtype)
         n_sink = min(max(self.method.sink_tokens - self.sink_k.shape[2], 0), key_states.shape[2])
         if n_sink:
@@ -90,6 +145,7 @@ class KVPackLayer(CacheLayerMixin):
         self.updates += 1
         if self._attention_enabled():
             key_states._kvpack_layer = self  # the registered attention reads segments from here
+            self.pending_attention = True
             return key_states, value_states
         keys, values = self.dequantized()
         self.flush()
@@ -117,23 +173,60 @@ class KVPackLayer(CacheLayerMixin):
         self._map_batch(lambda t: t[indices])
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Drop the last `-tokens_to_remove` tokens (transformers 5 passes a negative count).
+        """Remove the last `-tokens_to_remove` tokens, as `DynamicLayer.crop` does (all of them if more are asked).
 
-        Tokens inside compressed segments are decoded back into the window first, so any codec
-        can be cropped at any token.
+        Compressed tokens before the cut stay bit-identical: block runs are truncated, never decoded
+        and re-encoded. Only a codec whose blocks cannot be cut at any token (KIVI's per-channel key
+        groups) decodes the kept part of the cut group back into the exact window.
         """
         if tokens_to_remove > 0:
-            raise ValueError(f"crop takes a negative count of tokens to remove, got {tokens_to_remove}")
-        remove = min(-tokens_to_remove, self.length - self.sink_k.shape[2] if self.is_initialized else 0)
-        while remove > self.win_k.shape[2] and self.segments:
-            self._reopen_last_segment()
-        if remove:
-            self.win_k, self.win_v = self.win_k[:, :, :-remove], self.win_v[:, :, :-remove]
-            self.length -= remove
+            raise ValueError(
+                f"crop takes a negative count of tokens to remove (transformers 5 semantics), got {tokens_to_remove}; "
+                f"to keep the first N tokens call crop(N - cache.get_seq_length())"
+            )
+        if tokens_to_remove == 0 or not self.is_initialized:
+            return
+        self.truncate(max(self.length + tokens_to_remove, 0))
+
+    def truncate(self, keep: int) -> None:
+        """Keep the first `keep` logical tokens."""
+        if keep >= self.length:
+            return
+        if keep == 0:
+            self._reset_state()
+            return
+        win_start = self.length - self.win_k.shape[2]
+        if keep >= win_start:
+            self.win_k, self.win_v = self.win_k[:, :, : keep - win_start], self.win_v[:, :, : keep - win_start]
+        else:
+            self.win_k, self.win_v = self.win_k[:, :, :0], self.win_v[:, :, :0]
+            while self.segments and self.segments[-1].start >= keep:
+                self.segments.pop()
+            if self.segments and self.segments[-1].start + self.segments[-1].length > keep:
+                self._cut_last_segment(keep - self.segments[-1].start)
+            n_sink = min(keep, self.sink_k.shape[2])
+            self.sink_k, self.sink_v = self.sink_k[:, :, :n_sink], self.sink_v[:, :, :n_sink]
+        self.length = keep
+
+    def _cut_last_segment(self, cut: int) -> None:
+        """Keep the first `cut` tokens of the last segment: whole groups stay packed, a partial group's kept tokens move to the window."""
+        seg = self.segments[-1]
+        aligned = cut // seg.token_multiple * seg.token_multiple
+        if aligned < cut:
+            stop = min(aligned + seg.token_multiple, seg.length)
+            pos = self.positions(seg.start + aligned, stop - aligned)
+            k = seg.key_codec.decode(slice_packed(seg.keys, aligned, stop), pos)[:, :, : cut - aligned]
+            v = seg.value_codec.decode(slice_packed(seg.values, aligned, stop), pos)[:, :, : cut - aligned]
+            self.win_k, self.win_v = k.to(self.exact_dtype), v.to(self.exact_dtype)
+        if aligned:
+            seg.truncate(aligned)
+        else:
+            self.segments.pop()
 
     # -- compression ---------------------------------------------------------------------------
     def flush(self) -> None:
         """Compress what overflows the window (called after attention read it): the prompt, then whole blocks."""
+        self.pending_attention = False
         overflow = self.win_k.shape[2] - self.method.window
         first = self.updates == 1 and not self.segments
         prefill = first and self.method.prefill_key is not None
@@ -152,13 +245,12 @@ class KVPackLayer(CacheLayerMixin):
         if prefill:
             kc.fit(k, positions)
             vc.fit(v, positions)
-        seg = Segment(kind, kc, vc, kc.encode(k, positions), vc.encode(v, positions), start)
+        keys, values = kc.encode(k, positions), vc.encode(v, positions)
         last = self.segments[-1] if self.segments else None
-        if last is not None and last.kind == kind == "stream" and last.start + last.length == start:
-            last.keys = concat_packed([last.keys, seg.keys])
-            last.values = concat_packed([last.values, seg.values])
+        if last is not None and last.key_codec is kc and last.value_codec is vc and last.start + last.length == start:
+            last.append(keys, values)  # same codecs, contiguous tokens: one run, read by one kernel call
         else:
-            self.segments.append(seg)
+            self.segments.append(Segment(kind, kc, vc, keys, values, start))
         self.win_k, self.win_v = self.win_k[:, :, n:].contiguous(), self.win_v[:, :, n:].contiguous()
 
     def _codec(self, kind: str, side: str) -> Codec:
@@ -179,14 +271,6 @@ class KVPackLayer(CacheLayerMixin):
         if kind == "prefill":
             return (m.prefill_key if side == "key" else m.prefill_value) or (m.key if side == "key" else m.value)
         return m.key if side == "key" else m.value
-
-    def _reopen_last_segment(self) -> None:
-        seg = self.segments.pop()
-        pos = self.positions(seg.start, seg.length)
-        k = seg.key_codec.decode(seg.keys, pos).to(self.exact_dtype)
-        v = seg.value_codec.decode(seg.values, pos).to(self.exact_dtype)
-        self.win_k = torch.cat([k, self.win_k], dim=2)
-        self.win_v = torch.cat([v, self.win_v], dim=2)
 
     # -- reading -------------------------------------------------------------------------------
     def positions(self, start: int, count: int) -> torch.Tensor:
@@ -223,7 +307,7 @@ class KVPackLayer(CacheLayerMixin):
         out = {"sink": size(self.sink_k, self.sink_v), "window": size(self.win_k, self.win_v)}
         for seg in self.segments:
             key = f"{seg.kind}:{seg.key_codec.name}/{seg.value_codec.name}"
-            out[key] = out.get(key, 0) + seg.keys.nbytes() + seg.values.nbytes()
+            out[key] = out.get(key, 0) + seg.nbytes()
         out["codec_state"] = sum(c.state_nbytes() for c in self._codecs.values())
         return out
 
@@ -232,8 +316,6 @@ class KVPackLayer(CacheLayerMixin):
         return getattr(self.model_config, "_attn_implementation", None) == "kvpack"
 
     def _check_new(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        if k.dim() != 4 or k.shape[:3] != v.shape[:3]:
-            raise ValueError(f"key/value states must be (batch, kv_heads, tokens, head_dim) with matching leading dims, got {tuple(k.shape)} and {tuple(v.shape)}")
         if k.shape[0] != self.batch or k.shape[1] != self.kv_heads or k.shape[3] != self.head_dim:
             raise ValueError(
                 f"layer {self.layer_idx} was initialized for batch {self.batch}, {self.kv_heads} kv heads, head_dim {self.head_dim}; "

@@ -81,6 +81,9 @@ class Codec(ABC):
     """
 
     name: ClassVar[str]
+    # The form a fused attention kernel can read ("tq", "int8", ...; see kvpack.kernels.fused), or None:
+    # then attention goes through `scores` / `weighted_sum`.
+    kernel_kind: ClassVar[str | None] = None
     # Codecs that store keys without RoPE (Shard's PCA) need token positions and the model's
     # rotary frequencies; the cache passes positions and calls `set_rope` when this is True.
     uses_positions: ClassVar[bool] = False

@@ -29,6 +29,8 @@ class Int8Packed(Packed):
 class Int8Codec(Codec):
     name = "int8"
 
+    kernel_kind = "int8"  # fused kernels read codes and scales directly (kvpack.kernels.fused)
+
     def encode(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> Int8Packed:
         self._check(x)
         scale = (x.float().abs().amax(-1, keepdim=True) / 127).clamp_min(1e-8).half()

@@ -287,6 +287,26 @@ class TurboQuantCodec(Codec):
             out = out + group_query(query.float(), self.kv_heads) @ self._mean(q.device).transpose(-1, -2)
         return ungroup(out, query.shape[1])
 
+    # -- fused attention hooks (kvpack.kernels.fused reads these) -----------------------------------
+    @property
+    def kernel_kind(self) -> str | None:
+        """"tq" when a fused kernel can read this codec's blocks (MSE codes only), else None."""
+        return "tq" if self.codebook is not None and not self.config.qjl else None
+
+    def kernel_query(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Grouped query `(b, kv, rows, d)` -> (Π(q⊙σ) for the codes, q·μ `(b, kv, rows, 1)` or None)."""
+        scale = self._scale(q.device)
+        q_rot = self._rotate(q if scale is None else q * scale).contiguous()
+        offset = None if self.mean is None else (q @ self._mean(q.device).transpose(-1, -2)).contiguous()
+        return q_rot, offset
+
+    def kernel_output(self, o: torch.Tensor, denom: torch.Tensor) -> torch.Tensor:
+        """Rotated-space Σp·v̂ `(b, kv, rows, d)` and Σp `(b, kv, rows, 1)` -> Σp·v in the value space."""
+        out = self._unrotate(o)
+        if self.scale is not None:
+            out = out * self._scale(out.device)
+        return out if self.mean is None else out + denom * self._mean(out.device)
+
     def weighted_sum(self, probs: torch.Tensor, packed: TurboQuantPacked) -> torch.Tensor:
         """Σ p·||v||·c[idx] accumulated in the rotated space (the CPU kernel decodes codes only in
         registers and L1), then one inverse rotation per head."""

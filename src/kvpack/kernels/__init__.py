@@ -10,5 +10,7 @@ from .cpu_lut import available, backend, int8_scores, int8_weighted_sum, lut_sco
 # chunk of hundreds of rows is faster as one unpack + matmul (measured: 22 s vs ~1 s per
 # 256-token chunk over 2K TurboQuant tokens on SmolLM2).
 MAX_KERNEL_ROWS = 16
+# Query rows per kv head (GQA group x query tokens) the fused decode kernels serve in one call.
+MAX_FUSED_ROWS = 16
 
-__all__ = ["MAX_KERNEL_ROWS", "available", "backend", "int8_scores", "int8_weighted_sum", "lut_scores", "lut_weighted_sum"]
+__all__ = ["MAX_FUSED_ROWS", "MAX_KERNEL_ROWS", "available", "backend", "int8_scores", "int8_weighted_sum", "lut_scores", "lut_weighted_sum"]

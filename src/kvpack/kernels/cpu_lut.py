@@ -150,7 +150,94 @@ def int8_weighted_sum(p: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor)
     return _ext().int8_weighted_sum(p, codes, scale)
 
 
+def _rows_contiguous(t: torch.Tensor) -> bool:
+    """(B, H, T, n) with contiguous rows and heads at one stride: a capacity buffer narrowed along tokens."""
+    return t.dim() == 4 and t.stride(3) == 1 and (t.shape[2] <= 1 or t.stride(2) == t.shape[3]) and (t.shape[0] == 1 or t.stride(0) == t.shape[1] * t.stride(1))
+
+
+def _check_rows(name: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple) -> torch.Tensor:
+    """Like `_check`, but a token-narrowed view passes without a copy (the kernels read rows through
+    the head stride); anything else is made contiguous."""
+    if not isinstance(t, torch.Tensor) or not _rows_contiguous(t):
+        return _check(name, t, dtype, shape)
+    _check(name, t[:, :, :0], dtype, (*shape[:2], 0, shape[3]))  # device, dtype and shape checks without a copy
+    if shape[2] is not None and t.shape[2] != shape[2]:
+        raise ValueError(f"{name} must hold {shape[2]} tokens, got {t.shape[2]}")
+    return t
+
+
+def tq_attention(q_rot, row_offset, k_codes, k_norm, k_cent, k_bits: int, v_codes, v_norm, v_cent, v_bits: int, scale: float):
+    """Online-softmax partial over a TurboQuant K/V segment, V accumulated in its rotated space.
+
+    q_rot (B, H, R <= 16, d) f32 (query rotated and scaled for the key codec); row_offset (B, H, R, 1)
+    f32 or None, added to raw scores (the key mean's q·μ); codes/norms (B, H, T, ·) as the codecs
+    store them (token-narrowed views allowed); s = scale · (norm·<q_rot, c[code]> + row_offset).
+    Returns m, l (B, H, R, 1) and o (B, H, R, d) f32: max score, Σ exp(s - m), Σ exp(s - m)·v̂_rot.
+    """
+    q_rot = _check("q_rot", q_rot, torch.float32, (None, None, None, None))
+    b, h, r, d = q_rot.shape
+    if r > MAX_FUSED_ROWS:
+        raise ValueError(f"tq_attention serves up to {MAX_FUSED_ROWS} query rows per kv head, got {r}")
+    off = torch.empty(0) if row_offset is None else _check("row_offset", row_offset, torch.float32, (b, h, r, 1))
+    for bits in (k_bits, v_bits):
+        if bits not in LUT_BITS:
+            raise ValueError(f"bits must be one of {LUT_BITS}, got {bits!r}")
+    k_codes = _check_rows("k_codes", k_codes, torch.uint8, (b, h, None, packed_length(d, k_bits)))
+    t = k_codes.shape[2]
+    k_norm = _check_rows("k_norm", k_norm, torch.float16, (b, h, t, 1))
+    v_codes = _check_rows("v_codes", v_codes, torch.uint8, (b, h, t, packed_length(d, v_bits)))
+    v_norm = _check_rows("v_norm", v_norm, torch.float16, (b, h, t, 1))
+    k_cent = _check("k_cent", k_cent, torch.float32, (2**k_bits,))
+    v_cent = _check("v_cent", v_cent, torch.float32, (2**v_bits,))
+    return tuple(_ext().tq_attention(q_rot, off, k_codes, k_norm, k_cent, k_bits, v_codes, v_norm, v_cent, v_bits, float(scale)))
+
+
+DENSE_DTYPES = (torch.int8, torch.float16, torch.float32)
+
+
+def dense_attention(q, k, k_scale, v, v_scale, scale: float):
+    """Online-softmax partial over dense K/V: int8 with per-token fp16 scales, or fp16/fp32 (scales None).
+
+    q (B, H, R, d) f32 (any R); k (B, H, T, d), v (B, H, T, dv) of one dtype in DENSE_DTYPES (token-narrowed
+    views allowed); k_scale, v_scale (B, H, T, 1) f16 or None. Returns m, l (B, H, R, 1), o (B, H, R, dv) f32.
+    """
+    q = _check("q", q, torch.float32, (None, None, None, None))
+    b, h, _, d = q.shape
+    if not isinstance(k, torch.Tensor) or k.dtype not in DENSE_DTYPES or v.dtype != k.dtype:
+        raise ValueError(f"k and v must share one dtype of {DENSE_DTYPES}, got {getattr(k, 'dtype', type(k))} and {getattr(v, 'dtype', type(v))}")
+    k = _check_rows("k", k, k.dtype, (b, h, None, d))
+    t = k.shape[2]
+    v = _check_rows("v", v, v.dtype, (b, h, t, None))
+    ks = torch.empty(0) if k_scale is None else _check_rows("k_scale", k_scale, torch.float16, (b, h, t, 1))
+    vs = torch.empty(0) if v_scale is None else _check_rows("v_scale", v_scale, torch.float16, (b, h, t, 1))
+    return tuple(_ext().dense_attention(q, k, ks, v, vs, float(scale)))
+
+
+MAX_FUSED_ROWS = 16
+
+
 # -- references (the codecs' torch math) -------------------------------------------------------
+def partial_reference(s: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(m, l, o) of scaled scores `s (B, H, R, T)` over float `values (B, H, T, dv)`; masked rows give l = o = 0."""
+    m = s.amax(-1, keepdim=True)
+    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    p = torch.exp(s - m)
+    return m, p.sum(-1, keepdim=True), p @ values
+
+
+def tq_attention_reference(q_rot, row_offset, k_codes, k_norm, k_cent, k_bits, v_codes, v_norm, v_cent, v_bits, scale):
+    s = lut_scores_reference(q_rot, k_codes, k_norm, k_cent, k_bits)
+    if row_offset is not None:
+        s = s + row_offset
+    v = lut_centroids_reference(v_codes, v_cent, v_bits, q_rot.shape[-1]) * v_norm.float()
+    return partial_reference(s * scale, v)
+
+
+def dense_attention_reference(q, k, k_scale, v, v_scale, scale):
+    kf = k.float() * (1 if k_scale is None else k_scale.float())
+    vf = v.float() * (1 if v_scale is None else v_scale.float())
+    return partial_reference((q @ kf.mT) * scale, vf)
+
 def lut_centroids_reference(codes: torch.Tensor, centroids: torch.Tensor, bits: int, d: int) -> torch.Tensor:
     """`(B, H, T, d)` float32 centroids read from packed codes."""
     return centroids[unpack_bits(codes, bits, d).long()]

@@ -20,9 +20,10 @@
 #include <cstring>
 #include <vector>
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
+#include <cmath>
 
 namespace {
 
@@ -279,6 +280,178 @@ void int8_weighted_sum_impl(const float* p, const int8_t* codes, const at::Half*
   });
 }
 
+
+// -- fused decode attention: one online-softmax partial per segment ---------------------------
+//
+// A segment's partial is (m, l, o) per query row: m the max of its scaled scores, l = sum exp(s - m),
+// o = sum exp(s - m) * v (unnormalized). The token axis is split; each (head, split) work item
+// scores its tokens into an L1/L2-sized buffer, exponentiates in place and accumulates values from
+// the same tokens while they are still in cache, so K and V are each read once and never widened
+// into a float tensor. Splits merge by log-sum-exp at the end. Tensors are (B, H, T, n) with rows
+// contiguous and heads at a fixed stride (a view of a capacity buffer), read through `stride(1)`.
+
+constexpr int64_t kSplit = 512;  // tokens per work item: scores of 16 rows stay in L1/L2
+
+struct Partials {
+  int64_t BH, R, d, splits;
+  std::vector<float> m, l, o;
+  Partials(int64_t BH_, int64_t R_, int64_t d_, int64_t splits_)
+      : BH(BH_), R(R_), d(d_), splits(splits_), m(BH_ * splits_ * R_), l(BH_ * splits_ * R_), o(BH_ * splits_ * R_ * d_, 0.f) {}
+  // Merge the splits of every (bh, row) into out tensors m, l (B, H, R, 1) and o (B, H, R, d).
+  void merge(float* om, float* ol, float* oo) const {
+    for (int64_t bh = 0; bh < BH; ++bh)
+      for (int64_t r = 0; r < R; ++r) {
+        float mx = -INFINITY;
+        for (int64_t s = 0; s < splits; ++s) mx = std::max(mx, m[(bh * splits + s) * R + r]);
+        if (mx == -INFINITY) mx = 0.f;
+        float lsum = 0.f;
+        float* dst = oo + (bh * R + r) * d;
+        for (int64_t j = 0; j < d; ++j) dst[j] = 0.f;
+        for (int64_t s = 0; s < splits; ++s) {
+          const int64_t i = (bh * splits + s) * R + r;
+          if (l[i] == 0.f) continue;
+          const float w = std::exp(m[i] - mx);
+          lsum += l[i] * w;
+          const float* src = o.data() + i * d;
+          for (int64_t j = 0; j < d; ++j) dst[j] += w * src[j];
+        }
+        om[bh * R + r] = mx;
+        ol[bh * R + r] = lsum;
+      }
+  }
+};
+
+// In place: s <- exp(s - max) per row over n tokens (row stride ld); returns (max, sum) per row.
+inline void softmax_rows(float* s, int64_t ld, int R, int64_t n, float* m, float* l) {
+  for (int r = 0; r < R; ++r) {
+    float* row = s + r * ld;
+    float mx = -INFINITY;
+    for (int64_t t = 0; t < n; ++t) mx = std::max(mx, row[t]);
+    if (mx == -INFINITY) {  // every token masked: contributes nothing
+      for (int64_t t = 0; t < n; ++t) row[t] = 0.f;
+      m[r] = -INFINITY;
+      l[r] = 0.f;
+      continue;
+    }
+    float sum = 0.f;
+    for (int64_t t = 0; t < n; ++t) {
+      row[t] = std::exp(row[t] - mx);
+      sum += row[t];
+    }
+    m[r] = mx;
+    l[r] = sum;
+  }
+}
+
+int64_t split_count(int64_t T) { return std::max<int64_t>(1, (T + kSplit - 1) / kSplit); }
+
+std::vector<torch::Tensor> partial_outputs(const torch::Tensor& q, int64_t d) {
+  const int64_t B = q.size(0), H = q.size(1), R = q.size(2);
+  auto opt = q.options();
+  return {torch::empty({B, H, R, 1}, opt), torch::empty({B, H, R, 1}, opt), torch::empty({B, H, R, d}, opt)};
+}
+
+template <bool PAIR3, int W, int VBITS>
+void tq_attention_impl(const float* q, const float* row_off, const uint8_t* kc, int64_t k_bh, const at::Half* kn, int64_t kn_bh,
+                       const float* kcent, const Layout& KL, const uint8_t* vc, int64_t v_bh, const at::Half* vn, int64_t vn_bh,
+                       const float* vcent, const Layout& VL, int64_t BH, int R, int64_t T, float scale, Partials& P) {
+  const int64_t splits = P.splits;
+  const int64_t unit_stride = static_cast<int64_t>(KL.entries) * W;
+  std::vector<float> dec(static_cast<int64_t>(VL.entries) * VL.cpu);
+  for (int e = 0; e < VL.entries; ++e)
+    for (int k = 0; k < VL.cpu; ++k) dec[e * VL.cpu + k] = vcent[(e >> (k * VL.bits)) & VL.mask];
+  at::parallel_for(0, BH * splits, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> table(KL.units * unit_stride);
+    std::vector<float> s(static_cast<int64_t>(R) * kSplit);
+    std::vector<float> rows_buf(4 * static_cast<int64_t>(VL.units) * VL.cpu, 0.f);
+    int64_t built = -1;
+    for (int64_t i = lo; i < hi; ++i) {
+      const int64_t bh = i / splits, sp = i % splits;
+      const int64_t t0 = sp * kSplit, t1 = std::min(T, t0 + kSplit), n = t1 - t0;
+      if (bh != built) {
+        for (int u = 0; u < KL.units; ++u)
+          build_unit_table<W>(q + bh * R * KL.d, KL.d, R, u * KL.cpu, KL, kcent, table.data() + u * unit_stride);
+        built = bh;
+      }
+      for (int64_t b0 = 0; b0 < n; b0 += kBlock)
+        score_tokens<PAIR3, W>(table.data(), kc + bh * k_bh + t0 * KL.nbytes, kn + bh * kn_bh + t0, b0, std::min(n, b0 + kBlock), KL,
+                               s.data(), n, R);
+      for (int r = 0; r < R; ++r) {
+        const float off = row_off ? row_off[bh * R + r] : 0.f;
+        for (int64_t t = 0; t < n; ++t) s[r * n + t] = (s[r * n + t] + off) * scale;
+      }
+      float* pm = P.m.data() + i * R;
+      float* pl = P.l.data() + i * R;
+      softmax_rows(s.data(), n, R, n, pm, pl);
+      accumulate_tokens<VBITS>(s.data(), vc + bh * v_bh + t0 * VL.nbytes, vn + bh * vn_bh + t0, 0, n, VL, n, R, dec.data(), rows_buf.data(),
+                               P.o.data() + i * R * VL.d);
+    }
+  });
+}
+
+template <bool PAIR3, int W>
+void tq_attention_vbits(int vbits, const float* q, const float* row_off, const uint8_t* kc, int64_t k_bh, const at::Half* kn, int64_t kn_bh,
+                        const float* kcent, const Layout& KL, const uint8_t* vc, int64_t v_bh, const at::Half* vn, int64_t vn_bh,
+                        const float* vcent, const Layout& VL, int64_t BH, int R, int64_t T, float scale, Partials& P) {
+  auto run = vbits == 1 ? tq_attention_impl<PAIR3, W, 1> : vbits == 2 ? tq_attention_impl<PAIR3, W, 2>
+           : vbits == 3 ? tq_attention_impl<PAIR3, W, 3> : tq_attention_impl<PAIR3, W, 4>;
+  run(q, row_off, kc, k_bh, kn, kn_bh, kcent, KL, vc, v_bh, vn, vn_bh, vcent, VL, BH, R, T, scale, P);
+}
+
+// Dense rows (int8 with a per-token scale, fp16 or fp32 without) widened to float in L1, 4 tokens at a time.
+inline void widen_row(const int8_t* src, float* dst, int n) { widen(src, dst, n); }
+inline void widen_row(const float* src, float* dst, int n) { std::memcpy(dst, src, sizeof(float) * n); }
+inline void widen_row(const at::Half* src, float* dst, int n) {
+  int i = 0;
+#ifdef __F16C__
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+template <typename KT, typename VT>
+void dense_attention_impl(const float* q, const KT* k, int64_t k_bh, const at::Half* ks, int64_t ks_bh, const VT* v, int64_t v_bh,
+                          const at::Half* vs, int64_t vs_bh, int64_t BH, int R, int64_t T, int d, int dv, float scale, Partials& P) {
+  const int64_t splits = P.splits;
+  at::parallel_for(0, BH * splits, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> s(static_cast<int64_t>(R) * kSplit);
+    std::vector<float> rows(4 * static_cast<int64_t>(std::max(d, dv)), 0.f);
+    const float* kr[4] = {rows.data(), rows.data() + d, rows.data() + 2 * d, rows.data() + 3 * d};
+    for (int64_t i = lo; i < hi; ++i) {
+      const int64_t bh = i / splits, sp = i % splits;
+      const int64_t t0 = sp * kSplit, t1 = std::min(T, t0 + kSplit), n = t1 - t0;
+      const KT* kb = k + bh * k_bh;
+      for (int64_t t = 0; t < n; t += 4) {
+        const int c = static_cast<int>(std::min<int64_t>(4, n - t));
+        for (int j = 0; j < c; ++j) widen_row(kb + (t0 + t + j) * d, rows.data() + j * d, d);
+        for (int r = 0; r < R; ++r) {
+          float dots[4];
+          dot4(q + (bh * R + r) * d, kr, d, dots);
+          for (int j = 0; j < c; ++j) s[r * n + t + j] = dots[j] * scale * (ks ? static_cast<float>(ks[bh * ks_bh + t0 + t + j]) : 1.f);
+        }
+      }
+      float* pm = P.m.data() + i * R;
+      float* pl = P.l.data() + i * R;
+      softmax_rows(s.data(), n, R, n, pm, pl);
+      float* acc = P.o.data() + i * R * dv;
+      const VT* vb = v + bh * v_bh;
+      for (int64_t t = 0; t < n; t += 4) {
+        const int c = static_cast<int>(std::min<int64_t>(4, n - t));
+        for (int j = 0; j < c; ++j) widen_row(vb + (t0 + t + j) * dv, rows.data() + j * dv, dv);
+        for (int j = c; j < 4; ++j) std::memset(rows.data() + j * dv, 0, sizeof(float) * dv);
+        for (int r = 0; r < R; ++r) {
+          float w[4] = {};
+          for (int j = 0; j < c; ++j) w[j] = s[r * n + t + j] * (vs ? static_cast<float>(vs[bh * vs_bh + t0 + t + j]) : 1.f);
+          float* __restrict a = acc + r * dv;
+          const float *r0 = rows.data(), *r1 = r0 + dv, *r2 = r1 + dv, *r3 = r2 + dv;
+          for (int jj = 0; jj < dv; ++jj) a[jj] += w[0] * r0[jj] + w[1] * r1[jj] + w[2] * r2[jj] + w[3] * r3[jj];
+        }
+      }
+    }
+  });
+}
+
 }  // namespace
 
 // Entry points: shapes were checked by the launcher; tensors are contiguous.
@@ -321,9 +494,75 @@ torch::Tensor int8_weighted_sum(torch::Tensor p, torch::Tensor codes, torch::Ten
   return out;
 }
 
+// Head stride of a (B, H, T, n) view whose rows are contiguous and whose heads sit at one stride
+// (so batch stride = H * head stride): a capacity buffer narrowed along tokens.
+int64_t head_stride(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dim() == 4, name, " must be 4-D");
+  TORCH_CHECK(t.stride(3) == 1 && (t.size(2) <= 1 || t.stride(2) == t.size(3)), name, ": token rows must be contiguous");
+  TORCH_CHECK(t.size(0) == 1 || t.stride(0) == t.size(1) * t.stride(1), name, ": batch stride must be heads x head stride");
+  return t.stride(1);
+}
+
+std::vector<torch::Tensor> tq_attention(torch::Tensor q, torch::Tensor row_offset, torch::Tensor k_codes, torch::Tensor k_norm,
+                                        torch::Tensor k_cent, int64_t k_bits, torch::Tensor v_codes, torch::Tensor v_norm,
+                                        torch::Tensor v_cent, int64_t v_bits, double scale) {
+  const int64_t B = q.size(0), H = q.size(1), R = q.size(2), d = q.size(3), T = k_codes.size(2);
+  TORCH_CHECK(R <= 16, "tq_attention serves up to 16 query rows per kv head, got ", R);
+  const Layout KL = make_layout(static_cast<int>(k_bits), static_cast<int>(d));
+  const Layout VL = make_layout(static_cast<int>(v_bits), static_cast<int>(d));
+  auto out = partial_outputs(q, d);
+  Partials P(B * H, R, d, split_count(T));
+  if (T > 0) {
+    const float* off = row_offset.numel() ? row_offset.data_ptr<float>() : nullptr;
+    const int kb = static_cast<int>(k_bits), vb = static_cast<int>(v_bits);
+#define KVP_TQ(PAIR3, W) tq_attention_vbits<PAIR3, W>(vb, q.data_ptr<float>(), off, k_codes.data_ptr<uint8_t>(), head_stride(k_codes, "k_codes"), \
+      k_norm.data_ptr<at::Half>(), head_stride(k_norm, "k_norm"), k_cent.data_ptr<float>(), KL, v_codes.data_ptr<uint8_t>(), \
+      head_stride(v_codes, "v_codes"), v_norm.data_ptr<at::Half>(), head_stride(v_norm, "v_norm"), v_cent.data_ptr<float>(), VL, B * H, \
+      static_cast<int>(R), T, static_cast<float>(scale), P)
+    if (kb == 3) {
+      if (R == 1) KVP_TQ(true, 1); else if (R <= 4) KVP_TQ(true, 4); else if (R <= 8) KVP_TQ(true, 8); else KVP_TQ(true, 16);
+    } else {
+      if (R == 1) KVP_TQ(false, 1); else if (R <= 4) KVP_TQ(false, 4); else if (R <= 8) KVP_TQ(false, 8); else KVP_TQ(false, 16);
+    }
+#undef KVP_TQ
+  }
+  P.merge(out[0].data_ptr<float>(), out[1].data_ptr<float>(), out[2].data_ptr<float>());
+  return out;
+}
+
+template <typename KT, typename VT>
+void dense_dispatch(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& ks, const torch::Tensor& v, const torch::Tensor& vs,
+                    double scale, Partials& P) {
+  const int64_t B = q.size(0), H = q.size(1), R = q.size(2), d = q.size(3), T = k.size(2), dv = v.size(3);
+  dense_attention_impl<KT, VT>(q.data_ptr<float>(), k.data_ptr<KT>(), head_stride(k, "k"), ks.numel() ? ks.data_ptr<at::Half>() : nullptr,
+                               ks.numel() ? head_stride(ks, "k_scale") : 0, v.data_ptr<VT>(), head_stride(v, "v"),
+                               vs.numel() ? vs.data_ptr<at::Half>() : nullptr, vs.numel() ? head_stride(vs, "v_scale") : 0, B * H,
+                               static_cast<int>(R), T, static_cast<int>(d), static_cast<int>(dv), static_cast<float>(scale), P);
+}
+
+std::vector<torch::Tensor> dense_attention(torch::Tensor q, torch::Tensor k, torch::Tensor k_scale, torch::Tensor v, torch::Tensor v_scale,
+                                           double scale) {
+  const int64_t B = q.size(0), H = q.size(1), R = q.size(2), T = k.size(2), dv = v.size(3);
+  TORCH_CHECK(k.scalar_type() == v.scalar_type(), "k and v must share a dtype");
+  auto out = partial_outputs(q, dv);
+  Partials P(B * H, R, dv, split_count(T));
+  if (T > 0) {
+    switch (k.scalar_type()) {
+      case at::kChar: dense_dispatch<int8_t, int8_t>(q, k, k_scale, v, v_scale, scale, P); break;
+      case at::kHalf: dense_dispatch<at::Half, at::Half>(q, k, k_scale, v, v_scale, scale, P); break;
+      case at::kFloat: dense_dispatch<float, float>(q, k, k_scale, v, v_scale, scale, P); break;
+      default: TORCH_CHECK(false, "dense_attention takes int8, float16 or float32 K/V, got ", k.scalar_type());
+    }
+  }
+  P.merge(out[0].data_ptr<float>(), out[1].data_ptr<float>(), out[2].data_ptr<float>());
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lut_scores", &lut_scores, "TurboQuant scores from a per-unit lookup table of query x centroid partial sums");
   m.def("lut_weighted_sum", &lut_weighted_sum, "TurboQuant probability-weighted centroid sum, rotated space");
   m.def("int8_scores", &int8_scores, "q . int8 codes, per-token scale factored out");
   m.def("int8_weighted_sum", &int8_weighted_sum, "sum_t p * scale * int8 codes");
+  m.def("tq_attention", &tq_attention, "online-softmax partial (m, l, o) over a TurboQuant K/V segment, V in the rotated space");
+  m.def("dense_attention", &dense_attention, "online-softmax partial (m, l, o) over int8 (scaled), fp16 or fp32 K/V");
 }

@@ -6,6 +6,7 @@ of compressed-domain attention) rebuild the same matrix without storing it.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -51,14 +52,14 @@ def power_of_two_blocks(dim: int) -> list[int]:
     return [1 << b for b in reversed(range(dim.bit_length())) if dim >> b & 1]
 
 
-def fwht(x: torch.Tensor) -> torch.Tensor:
-    """Orthonormal fast Walsh-Hadamard transform over the last dim (a power of two).
+# Up to this size the transform is one matmul with the dense (symmetric, orthonormal) Hadamard
+# matrix: a single GEMM call beats log2(d) rounds of small butterfly ops at head sizes (d <= 256),
+# and the matrix (at most 256 KB) is built once per size, device and dtype.
+DENSE_HADAMARD_MAX = 256
 
-    O(d log d) butterflies; scaled by 1/sqrt(d) so the transform is its own inverse.
-    """
+
+def _butterflies(x: torch.Tensor) -> torch.Tensor:
     dim = x.shape[-1]
-    if not is_power_of_two(dim):
-        raise ValueError(f"fwht needs a power-of-two last dim, got {dim}; use hadamard_transform")
     lead = x.shape[:-1]
     y = x.reshape(-1, dim)
     h = 1
@@ -67,6 +68,26 @@ def fwht(x: torch.Tensor) -> torch.Tensor:
         y = torch.stack((y[:, :, 0] + y[:, :, 1], y[:, :, 0] - y[:, :, 1]), dim=2)
         h *= 2
     return y.reshape(*lead, dim) / math.sqrt(dim)
+
+
+@functools.cache
+def dense_hadamard(dim: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """The orthonormal Sylvester Hadamard matrix `(dim, dim)`: `fwht(x) == x @ H` (H is symmetric)."""
+    return _butterflies(torch.eye(dim, dtype=torch.float64)).to(device=device, dtype=dtype)
+
+
+def fwht(x: torch.Tensor) -> torch.Tensor:
+    """Orthonormal fast Walsh-Hadamard transform over the last dim (a power of two).
+
+    Scaled by 1/sqrt(d) so the transform is its own inverse; O(d log d) butterflies above
+    DENSE_HADAMARD_MAX, one matmul at or below it.
+    """
+    dim = x.shape[-1]
+    if not is_power_of_two(dim):
+        raise ValueError(f"fwht needs a power-of-two last dim, got {dim}; use hadamard_transform")
+    if dim <= DENSE_HADAMARD_MAX and x.dtype.is_floating_point:
+        return x @ dense_hadamard(dim, x.device, x.dtype)
+    return _butterflies(x)
 
 
 def hadamard_transform(x: torch.Tensor) -> torch.Tensor:

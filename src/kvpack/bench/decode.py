@@ -1,0 +1,173 @@
+"""End-to-end greedy decode speed, every contender side by side in one process.
+
+    python -m kvpack.bench.decode --model smollm2-135m --contexts 2048,8192 --methods dynamic,turboquant:k3v2,int8,shard
+
+Protocol (the same for every contender, so machine noise hits them alike):
+1. The prompt is prefilled once into a `DynamicCache` (in chunks, so long contexts fit); each kvpack
+   cache is then filled with those same post-RoPE K/V through `cache.update`, exactly what the model
+   would hand it during its own prefill, and compressed as it would be (prompt flush).
+2. Untimed warm-up steps, then `steps` greedy decode steps interleaved round-robin: A B C A B C ...
+   Each contender decodes its own greedy continuation. Blocks leave the window every 64 tokens, so
+   the timed steps include the periodic block flushes.
+3. Reported per contender: mean (amortized), p50 and p99 ms per token, and the speed ratio vs
+   `DynamicCache` (its mean step time over the contender's), plus prefill-flush time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from ..eval.generate import forward
+from .env import environment
+
+PROG = "python -m kvpack.bench.decode"
+
+
+def _percentile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+@torch.no_grad()
+def prefill_dynamic(model, ids: torch.Tensor, chunk: int = 2048):
+    """(DynamicCache holding `ids`, last logits): the prompt in chunks, exact attention."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    logits = None
+    for i in range(0, len(ids), chunk):
+        logits = forward(model, ids[i : i + chunk], cache)
+    return cache, logits
+
+
+@torch.no_grad()
+def fill_kvpack(model, method: str, source) -> tuple[object, float]:
+    """A kvpack cache holding `source`'s K/V (a filled DynamicCache), compressed; and the seconds it took."""
+    from ..cache.kvcache import KVCache
+    from ..cache.layer import KVPackLayer
+
+    cache = KVCache(model, method)
+    start = time.perf_counter()
+    for idx, (layer, src) in enumerate(zip(cache.layers, source.layers, strict=True)):
+        k, v = src.keys, src.values
+        if isinstance(layer, KVPackLayer):
+            cache.update(k, v, idx)
+            layer.flush()
+        else:
+            cache.update(k, v, idx)
+    return cache, time.perf_counter() - start
+
+
+def _new_cache(model, method: str, source):
+    if method == "dynamic":
+        import copy
+
+        return copy.deepcopy(source), 0.0
+    return fill_kvpack(model, method, source)
+
+
+@torch.no_grad()
+def run_context(model, ids: torch.Tensor, methods: list[str], steps: int, warmup: int, log=print) -> list[dict]:
+    """Rows for one context length: every method decoding `steps` interleaved greedy tokens."""
+    start = time.perf_counter()
+    source, logits = prefill_dynamic(model, ids)
+    log(f"  prefill {len(ids)} tokens (DynamicCache, chunked) in {time.perf_counter() - start:.1f} s")
+    caches, fills, last = {}, {}, {}
+    for m in methods:
+        caches[m], fills[m] = _new_cache(model, m, source)
+        last[m] = logits[0, -1].argmax().view(1)
+    del source
+    times: dict[str, list[float]] = {m: [] for m in methods}
+    for step in range(warmup + steps):
+        for m in methods:
+            t0 = time.perf_counter()
+            out = forward(model, last[m], caches[m])
+            dt = time.perf_counter() - t0
+            last[m] = out[0, -1].argmax().view(1)
+            if step >= warmup:
+                times[m].append(dt)
+    base = statistics.fmean(times[methods[0]])
+    rows = []
+    for m in methods:
+        ts = times[m]
+        mean = statistics.fmean(ts)
+        rows.append({
+            "method": m, "context": len(ids), "steps": steps, "mean_ms": 1e3 * mean, "p50_ms": 1e3 * _percentile(ts, 0.5),
+            "p99_ms": 1e3 * _percentile(ts, 0.99), "tok_s": 1.0 / mean, "speed_vs_first": base / mean,
+            "fill_s": fills[m], "step_ms": [round(1e3 * t, 3) for t in ts],
+        })
+        log(f"  {m:22s} mean {1e3 * mean:7.1f} ms  p50 {rows[-1]['p50_ms']:7.1f}  p99 {rows[-1]['p99_ms']:7.1f}  x{base / mean:.2f} vs {methods[0]}")
+    return rows
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for m in dict.fromkeys(r["method"] for r in rows):
+        pts = sorted((r["context"], r["mean_ms"]) for r in rows if r["method"] == m)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=m)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context (tokens)")
+    ax.set_ylabel("ms per decoded token (mean, lower is better)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ..models import load_model
+    from ..registry import get_method
+    from ..text import token_stream
+
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--contexts", default="2048,8192")
+    p.add_argument("--methods", default="dynamic,turboquant:k3v2,int8,shard", help="the first is the reference (dynamic)")
+    p.add_argument("--steps", type=int, default=160, help="timed decode steps per method (>= 128 so block flushes fall inside)")
+    p.add_argument("--warmup", type=int, default=8)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--text", default="news")
+    p.add_argument("--json", default="bench/results/decode.json")
+    p.add_argument("--plot", default=None, help="PNG: ms per token vs context per method")
+    args = p.parse_args(argv)
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    contexts = [int(c) for c in args.contexts.split(",")]
+    if not methods or methods[0] != "dynamic":
+        p.error("--methods must start with 'dynamic' (the reference)")
+    for m in methods[1:]:
+        get_method(m)  # unknown names fail here, before any model loads
+    if args.threads < 1 or args.steps < 1 or any(c < 128 for c in contexts):
+        p.error("--threads and --steps must be >= 1 and every context >= 128")
+    torch.set_num_threads(args.threads)
+    model, tok = load_model(args.model, dtype=getattr(torch, args.dtype))
+    import kvpack
+
+    kvpack.enable(model)
+    rows: list[dict] = []
+    for ctx in contexts:
+        print(f"{args.model}: context {ctx}", flush=True)
+        ids = token_stream(tok, args.text, ctx)
+        rows += run_context(model, ids, methods, args.steps, args.warmup)
+        out = {"environment": environment(PROG), "model": args.model, "dtype": args.dtype, "rows": rows}
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(out, indent=1))  # saved after every context
+    if args.plot:
+        plot(rows, args.plot)
+    print(f"wrote {args.json}" + (f" and {args.plot}" if args.plot else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

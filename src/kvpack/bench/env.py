@@ -1,0 +1,55 @@
+"""The environment stamp every result JSON carries: code version, library versions, hardware, command."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+
+import torch
+
+
+def _git_sha() -> str:
+    root = Path(__file__).resolve().parents[3]
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return (sha + ("+dirty" if dirty else "")) if sha else "unknown"
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _version(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def environment(prog: str | None = None) -> dict:
+    """git SHA, versions, CPU model, thread count and the command line (`prog` replaces argv[0], e.g. "python -m kvpack.bench.decode")."""
+    return {
+        "git_sha": _git_sha(),
+        "kvpack": _version("kvpack"),
+        "torch": torch.__version__,
+        "transformers": _version("transformers"),
+        "python": platform.python_version(),
+        "cpu": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "threads": torch.get_num_threads(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "command": " ".join([prog or (Path(sys.argv[0]).name if sys.argv else "python"), *sys.argv[1:]]),
+    }

@@ -1,0 +1,80 @@
+"""A run of one codec's packed blocks, held in capacity buffers with a block table.
+
+Every tensor field of a codec's `Packed` keeps tokens at dim 2, so a run of blocks is one buffer per
+field, `(batch, kv_heads, capacity, n)`, and the blocks are offsets into it (vLLM's paged-attention
+idea, with one page per tier): appending a block writes into the spare capacity, the live tokens
+are a zero-copy view `[:, :, :length]` that a kernel reads in one call however many blocks it
+holds, and crop moves the end offset rather than re-concatenating anything.
+
+Capacity grows geometrically (by an eighth, at least one block), so appending costs O(1) copied
+bytes per token amortized while the slack stays under an eighth of the live tokens; the slack is
+memory really held, and `nbytes` counts it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..codecs.base import Packed
+
+GROWTH_DIVISOR = 8  # capacity = needed + needed // 8: at most 12.5% slack, ~8 copies per token over a run's life
+
+
+def _fields(packed: Packed) -> list[str]:
+    return [f.name for f in dataclasses.fields(packed) if isinstance(getattr(packed, f.name), torch.Tensor)]
+
+
+class BlockRun:
+    """Tokens of one codec's blocks, in order. `view()` is the live `Packed`; `blocks` their token offsets."""
+
+    def __init__(self, first: Packed):
+        self._template = first
+        self._names = _fields(first)
+        # The first block (usually the prompt) is held at its exact size: no slack until the run grows.
+        self._bufs = {n: getattr(first, n) for n in self._names}
+        self.length = first.num_tokens
+        self.blocks = [0]  # token offset where each appended block starts
+
+    @property
+    def capacity(self) -> int:
+        return next(iter(self._bufs.values())).shape[2] if self._bufs else self.length
+
+    def view(self) -> Packed:
+        """The live tokens as a `Packed` of views (no copy)."""
+        changes = {n: b[:, :, : self.length] for n, b in self._bufs.items()}
+        return dataclasses.replace(self._template, num_tokens=self.length, **changes)
+
+    def append(self, block: Packed) -> None:
+        """Add `block`'s tokens after the live ones (a copy of the block only, amortized)."""
+        n = block.num_tokens
+        need = self.length + n
+        if need > self.capacity:
+            self._grow(need + max(n, need // GROWTH_DIVISOR))
+        for name in self._names:
+            self._bufs[name][:, :, self.length : need] = getattr(block, name)
+        self.blocks.append(self.length)
+        self.length = need
+
+    def truncate(self, length: int) -> None:
+        """Keep the first `length` tokens (crop): offsets move, the kept bytes are untouched."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot truncate a run of {self.length} tokens to {length}")
+        self.length = length
+        self.blocks = [b for b in self.blocks if b < length] or [0]
+
+    def map(self, fn) -> None:
+        """Apply `fn` to the live tokens of every field (batch reorder/select); slack is dropped."""
+        self._bufs = {n: fn(b[:, :, : self.length]) for n, b in self._bufs.items()}
+        self._template = self.view()
+
+    def nbytes(self) -> int:
+        """Bytes held, spare capacity included."""
+        return sum(b.numel() * b.element_size() for b in self._bufs.values())
+
+    def _grow(self, capacity: int) -> None:
+        for name, buf in self._bufs.items():
+            new = buf.new_empty((*buf.shape[:2], capacity, *buf.shape[3:]))
+            new[:, :, : self.length] = buf[:, :, : self.length]
+            self._bufs[name] = new
