@@ -179,3 +179,52 @@ def test_torch_byte_table_centroids_equal_unpack_lookup(bits):
     packed = codec.encode(torch.randn(1, 2, 37, 80))
     expected = codec.codebook.lookup(unpack_bits(packed.codes, bits, 80))
     assert torch.equal(codec._centroids(packed), expected)
+
+
+# -- fused online-softmax partials -------------------------------------------------------------
+def _normalized(part):
+    m, denom, o = part
+    return o / denom, m + denom.log()
+
+
+@pytest.mark.parametrize("k_bits,v_bits", [(3, 2), (4, 4), (2, 3), (1, 4)])
+@pytest.mark.parametrize("b,h,r,d,t", [(1, 3, 3, 64, 1100), (2, 2, 7, 64, 217), (1, 1, 1, 128, 600), (3, 2, 16, 96, 513)])
+def test_tq_attention_matches_reference_on_capacity_views(k_bits, v_bits, b, h, r, d, t):
+    gen = torch.Generator().manual_seed(t + r)
+    cap = t + 37  # token-narrowed views of larger buffers: the kernel reads them in place
+
+    def packed(bits):
+        codes = pack_bits(torch.randint(0, 2**bits, (b, h, cap, d), generator=gen), bits)
+        return codes[:, :, :t], (torch.rand(b, h, cap, 1, generator=gen) + 0.5).half()[:, :, :t]
+
+    (kc, kn), (vc, vn) = packed(k_bits), packed(v_bits)
+    args = (torch.randn(b, h, r, d, generator=gen), torch.randn(b, h, r, 1, generator=gen), kc, kn,
+            lloyd_max_codebook(d, k_bits).centroids, k_bits, vc, vn, lloyd_max_codebook(d, v_bits).centroids, v_bits, 0.125)
+    out, ref = _normalized(cpu_lut.tq_attention(*args)), _normalized(cpu_lut.tq_attention_reference(*args))
+    for a, e in zip(out, ref, strict=True):
+        assert (a - e).abs().max() <= 1e-5 * (1 + e.abs().max())
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float16, torch.float32])
+@pytest.mark.parametrize("b,h,r,d,t", [(1, 3, 3, 64, 1100), (2, 2, 7, 80, 217), (3, 1, 16, 256, 40)])
+def test_dense_attention_matches_reference(dtype, b, h, r, d, t):
+    gen = torch.Generator().manual_seed(d + t)
+    k, v = torch.randn(b, h, t + 9, d, generator=gen) * 3, torch.randn(b, h, t + 9, d, generator=gen)
+    if dtype == torch.int8:
+        k, v = (k * 20).clamp(-127, 127).to(dtype), (v * 40).clamp(-127, 127).to(dtype)
+        ks, vs = (torch.rand(b, h, t + 9, 1, generator=gen) * 0.02).half()[:, :, :t], (torch.rand(b, h, t + 9, 1, generator=gen) * 0.02).half()[:, :, :t]
+    else:
+        k, v, ks, vs = k.to(dtype), v.to(dtype), None, None
+    args = (torch.randn(b, h, r, d, generator=gen), k[:, :, :t], ks, v[:, :, :t], vs, d**-0.5)
+    out, ref = _normalized(cpu_lut.dense_attention(*args)), _normalized(cpu_lut.dense_attention_reference(*args))
+    for a, e in zip(out, ref, strict=True):
+        assert (a - e).abs().max() <= 1e-5 * (1 + e.abs().max())
+
+
+def test_tq_attention_refuses_too_many_rows():
+    q = torch.randn(1, 1, 17, 64)
+    codes = pack_bits(torch.zeros(1, 1, 8, 64, dtype=torch.long), 2)
+    norm = torch.ones(1, 1, 8, 1, dtype=torch.float16)
+    cent = lloyd_max_codebook(64, 2).centroids
+    with pytest.raises(ValueError, match="up to 16 query rows"):
+        cpu_lut.tq_attention(q, None, codes, norm, cent, 2, codes, norm, cent, 2, 1.0)
