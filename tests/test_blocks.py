@@ -113,3 +113,16 @@ def test_fused_decode_equals_segmented_attention(method, gqa):
 def test_fused_decode_declines_multi_token_queries():
     layer, _, _ = _layer("int8", 300)
     assert fused_decode(layer, torch.randn(1, 2, 3, 64), 0.125) is None
+
+
+def test_values_beyond_fp16_in_the_exact_window_are_refused_not_stored_as_inf():
+    layer, _, _ = _layer("int8", 300)
+    length = layer.get_seq_length()
+    big = torch.randn(1, 2, 1, 64)
+    big[0, 1, 0, 0] = 1e5
+    with pytest.raises(ValueError, match="float16 range"):
+        layer.update(big, torch.randn(1, 2, 1, 64))
+    assert layer.get_seq_length() == length
+    wide = KVPackLayer(get_method("int8").with_options(exact_dtype="bfloat16"), 0, _Cfg())
+    wide.update(big, torch.randn(1, 2, 1, 64))
+    assert torch.isfinite(wide.dequantized()[0]).all()

@@ -1,6 +1,7 @@
 """The `kvpack` command line end to end on the tiny random model."""
 
 import json
+import sys
 
 import pytest
 
@@ -127,3 +128,123 @@ def test_merge_rows_replaces_a_rerun_method_and_marks_it():
     assert "| shard * |" in markdown_table(merged["rows"])
     with pytest.raises(SystemExit, match="context"):
         merge_rows.merge(base, {**update, "config": {**update["config"], "context": 2048}}, "u.json")
+
+
+# -- every argument checked before any work: one line on stderr, exit status 2 ----------------------
+def _no_model_load(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(models, "load_model", refuse)
+
+
+def _bad_inputs(tmp_path):
+    a_file = tmp_path / "file.txt"
+    a_file.write_text("x")
+    bad_toml = tmp_path / "bad.toml"
+    bad_toml.write_text("context = [unclosed\n")
+    float_toml = tmp_path / "float.toml"
+    float_toml.write_text("context = 3.5\n")
+    string_toml = tmp_path / "string.toml"
+    string_toml.write_text('dtype = "int4"\n')
+    bool_toml = tmp_path / "bool.toml"
+    bool_toml.write_text('needle = "no"\n')
+    tiny = ["--model", "tiny-random"]
+    return [
+        (["compare", *tiny, "--methods", ""], r"--methods is empty; give comma-separated names from: fp16, int8, .*kivi:2.*hf-quanto:4"),
+        (["compare", *tiny, "--methods", "int8,nope"], r"unknown method 'nope'; kvpack methods: fp16, .*shard; peers: dynamic, hf-quanto:2"),
+        (["compare", *tiny, "--methods", "hf-zip:4"], r"unknown peer 'hf-zip:4'; peers: dynamic"),
+        (["eval", *tiny, "--method", "kivi:3"], r"kivi takes 2 or 4 bits"),
+        (["eval", *tiny, "--method", "int8:foo"], r"'int8' takes no options"),
+        (["eval", *tiny, "--threads", "-1"], r"--threads must be >= 0, got -1"),
+        (["eval", *tiny, "--context", "0"], r"--context must be >= 16, got 0"),
+        (["eval", *tiny, "--ppl-tokens", "-5"], r"--ppl-tokens must be >= 1, got -5"),
+        (["eval", *tiny, "--decode-tokens", "-1"], r"--decode-tokens must be >= 1"),
+        (["eval", *tiny, "--needle-depths", "0.5,1.5"], r"--needle-depths must be numbers in \[0, 1\], got '0.5,1.5'"),
+        (["eval", *tiny, "--needle-depths", "-0.1"], r"--needle-depths must be numbers in \[0, 1\]"),
+        (["eval", *tiny, "--needle-lengths", "1k"], r"--needle-lengths must be comma-separated integers, got '1k'"),
+        (["eval", *tiny, "--needle-lengths", "0"], r"--needle-lengths must be positive"),
+        (["eval", *tiny, "--context", "many"], r"argument --context: invalid int value: 'many'"),
+        (["eval", "--model", "no-such-model"], r"unknown model 'no-such-model': expected one of smollm2-135m"),
+        (["eval", *tiny, "--config", str(tmp_path / "missing.toml")], r"--config .*missing.toml: no such file"),
+        (["eval", *tiny, "--config", str(bad_toml)], r"--config .*bad.toml: not valid TOML"),
+        (["eval", *tiny, "--config", str(float_toml)], r"--context must be an integer, got 3.5"),
+        (["eval", *tiny, "--config", str(string_toml)], r"--dtype must be one of float32, bfloat16, float16, got 'int4'"),
+        (["eval", *tiny, "--config", str(bool_toml)], r"needle must be true or false, got 'no'"),
+        (["compare", *tiny, "--methods", "int8", "--plot", str(a_file / "plot.png")], r"--plot .*: .*file.txt is a file, not a directory"),
+        (["compare", *tiny, "--methods", "int8", "--plot", str(tmp_path / "plot.xyz")], r"--plot .*plot.xyz: unsupported file type '.xyz'; use one of .*\.png"),
+        (["compare", *tiny, "--methods", "int8", "--json", str(tmp_path)], r"--json .*: is a directory; give a file path"),
+        (["eval", *tiny, "--json", str(a_file / "rows.json")], r"--json .*: .*file.txt is a file, not a directory"),
+    ]
+
+
+def test_bad_arguments_exit_2_with_one_line_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    _no_model_load(monkeypatch)
+    import re
+
+    for argv, match in _bad_inputs(tmp_path):
+        assert cli.main(argv) == 2, argv
+        captured = capsys.readouterr()
+        lines = captured.err.strip().splitlines()
+        assert len(lines) == 1 and re.search(match, lines[0]), (argv, captured.err)
+        assert lines[0].startswith(f"kvpack {argv[0]}: error: ") and captured.out == "", argv
+
+
+def test_help_exits_0(capsys):
+    assert cli.main(["compare", "--help"]) == 0
+    assert "--methods" in capsys.readouterr().out
+
+
+def test_missing_eval_extra_names_the_install_line(monkeypatch, capsys):
+    _no_model_load(monkeypatch)
+    monkeypatch.setitem(sys.modules, "tqdm", None)
+    monkeypatch.setitem(sys.modules, "tqdm.auto", None)
+    assert cli.main(["eval", *TINY]) == 2
+    err = capsys.readouterr().err
+    assert "needs the optional package 'tqdm'" in err and 'pip install "kvpack[eval]"' in err and 'pip install -e ".[eval]"' in err
+
+
+def test_missing_matplotlib_is_reported_before_the_run_when_plotting(monkeypatch, capsys, tmp_path):
+    _no_model_load(monkeypatch)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.setitem(sys.modules, "matplotlib.backend_bases", None)
+    assert cli.main(["compare", *TINY, "--methods", "int8", "--plot", str(tmp_path / "p.png")]) == 2
+    assert "--plot needs the optional package 'matplotlib'" in capsys.readouterr().err
+
+
+def test_a_method_that_fails_mid_run_keeps_every_row_and_exits_1(tmp_path, capsys, monkeypatch):
+    from kvpack.eval import runner
+
+    original = runner.evaluate_method
+
+    def break_int8(model, tokenizer, method, *args, **kwargs):
+        if method == "int8":
+            raise RuntimeError("boom in the middle of int8")
+        return original(model, tokenizer, method, *args, **kwargs)
+
+    monkeypatch.setattr(runner, "evaluate_method", break_int8)
+    out = tmp_path / "rows.json"
+    assert cli.main(["compare", *TINY, "--no-needle", "--methods", "int8,kivi:4", "--json", str(out)]) == 1
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["method"], r["status"]) for r in rows] == [
+        ("dynamic", "ok"), ("int8", "failed: RuntimeError: boom in the middle of int8"), ("kivi:4", "ok")]
+    captured = capsys.readouterr()
+    assert "int8: failed: RuntimeError: boom in the middle of int8" in captured.out  # in the printed table too
+    assert "1 method(s) failed: int8" in captured.err
+
+
+@pytest.mark.parametrize(
+    "error, package",
+    [
+        (ImportError("Please install torch and gguf>=0.10.0 to load a GGUF checkpoint in PyTorch."), "gguf"),  # transformers' words
+        (ModuleNotFoundError("No module named 'accelerate'", name="accelerate"), "accelerate"),
+    ],
+)
+def test_missing_package_while_loading_the_model_names_the_install_line(monkeypatch, capsys, error, package):
+    def fail(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(models, "load_model", fail)
+    assert cli.main(["eval", *TINY]) == 2
+    err = capsys.readouterr().err
+    assert f"needs the optional package {package!r}" in err and 'pip install "kvpack[eval]"' in err

@@ -3,17 +3,23 @@
 Options come from flags or a TOML file (`--config run.toml`): top-level keys apply to every
 command, a `[compare]` / `[eval]` / `[demo]` table to that command only; flags win over the file.
 Keys are the flag names with underscores: model, methods, context, ppl_tokens, needle_lengths, ...
+
+Every argument (method names, counts, output paths, optional packages) is checked before the
+model loads: a bad one ends the command with one line on stderr and exit status 2. A method that
+fails mid-run gets a `failed: ...` row, the run goes on, and the exit status is 1.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
 
-from .models import DEFAULT_MODEL, list_models
+from ._optional import MissingDependency, install_hint, missing_message, require
+from .models import DEFAULT_MODEL, MODELS, TINY_MODEL, list_models
 
 DEMO = {"context": 2048, "ppl_tokens": 512, "needle_lengths": [1024], "decode_tokens": 16, "fidelity_steps": 4}
 
@@ -21,8 +27,17 @@ DEMO = {"context": 2048, "ppl_tokens": 512, "needle_lengths": [1024], "decode_to
 def _list(value, cast=str) -> list | None:
     if value is None:
         return None
+    if not isinstance(value, str | list | tuple):
+        raise ValueError(f"expected a comma-separated string or a list, got {value!r}")
     items = value.split(",") if isinstance(value, str) else value
     return [cast(v.strip() if isinstance(v, str) else v) for v in items if str(v).strip()]
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (no usage block) and exit status 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -45,7 +60,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvpack", description="Compressed KV caches: evaluate methods on real models, offline.")
+    parser = _Parser(prog="kvpack", description="Compressed KV caches: evaluate methods on real models, offline.")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="the default model with and without compression: memory, perplexity, needle, speed")
     _common(demo)
@@ -63,26 +78,148 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _subparser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    return next(a for a in parser._subparsers._group_actions if a.dest == "command").choices[command]
+
+
+def _read_toml(path: str) -> dict:
+    """The TOML file's table; ValueError with one line for a missing or malformed file."""
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:
+        tomllib = require("tomli", "reading --config TOML files on Python 3.10")
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise ValueError(f"--config {path}: no such file") from None
+    except OSError as err:
+        raise ValueError(f"--config {path}: cannot read it ({err.strerror})") from None
+    except tomllib.TOMLDecodeError as err:
+        raise ValueError(f"--config {path}: not valid TOML ({err})") from None
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Flags over the `--config` file over defaults; exits with status 2 and one line on any bad argument."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if getattr(args, "config", None):
+        subparser = _subparser(parser, args.command)
         try:
-            import tomllib
-        except ModuleNotFoundError:  # Python 3.10
-            import tomli as tomllib
-        with open(args.config, "rb") as f:
-            data = tomllib.load(f)
+            data = _read_toml(args.config)
+        except (ValueError, MissingDependency) as err:
+            subparser.error(str(err))
         section = data.get(args.command, {})
         values = {k: v for k, v in data.items() if not isinstance(v, dict)} | section
-        subparser = next(a for a in parser._subparsers._group_actions if a.dest == "command").choices[args.command]
         known = {a.dest for a in subparser._actions}
         unknown = sorted(k for k in (k.replace("-", "_") for k in values) if k not in known)
         if unknown:
-            parser.error(f"unknown keys in {args.config}: {unknown}")
+            subparser.error(f"unknown keys in {args.config}: {unknown}")
         subparser.set_defaults(**{k.replace("-", "_"): v for k, v in values.items()})
         args = parser.parse_args(argv)
+    if args.command in ("demo", "eval", "compare"):
+        try:
+            validate(args, _subparser(parser, args.command))
+        except (ValueError, MissingDependency) as err:
+            _subparser(parser, args.command).error(str(err))
     return args
+
+
+# -- validation: everything that can be known before the model loads --------------------------------
+def _check_types(args, subparser: argparse.ArgumentParser) -> None:
+    """Values from a TOML file bypass argparse's `type` and `choices`: check them like flags."""
+    for action in subparser._actions:
+        value, flag = getattr(args, action.dest, None), (action.option_strings or [action.dest])[-1]
+        if value is None or action.dest in ("help", "config"):
+            continue
+        expected = (int, float) if action.type is float else int
+        if action.type in (int, float) and (isinstance(value, bool) or not isinstance(value, expected)):
+            raise ValueError(f"{flag} must be {'an integer' if action.type is int else 'a number'}, got {value!r}")
+        if action.nargs == 0 and isinstance(action.const, bool) and not isinstance(value, bool):  # store_true / store_false
+            raise ValueError(f"{action.dest} must be true or false, got {value!r}")
+        if action.choices is not None and value not in action.choices:
+            raise ValueError(f"{flag} must be one of {', '.join(action.choices)}, got {value!r}")
+
+
+def _numbers(flag: str, value, cast) -> list:
+    try:
+        return _list(value, cast) or []
+    except (TypeError, ValueError):
+        raise ValueError(f"{flag} must be comma-separated {'integers' if cast is int else 'numbers'}, got {value!r}") from None
+
+
+def check_method(name: str) -> None:
+    """ValueError naming the problem (and the valid names) unless `name` is a kvpack method or a peer."""
+    from .peers import PEERS, is_peer
+    from .registry import METHODS, get_method, list_methods
+
+    if is_peer(name):
+        if name not in PEERS:
+            raise ValueError(f"unknown peer {name!r}; peers: {', '.join(PEERS)}")
+        return
+    if name.partition(":")[0] not in METHODS:
+        raise ValueError(f"unknown method {name!r}; kvpack methods: {', '.join(list_methods())}; peers: {', '.join(PEERS)}")
+    get_method(name)  # raises for bad options, e.g. kivi:3
+
+
+def _check_writable(flag: str, path: str, suffixes: tuple[str, ...] | None = None) -> None:
+    target = Path(path).expanduser()
+    if target.is_dir():
+        raise ValueError(f"{flag} {path}: is a directory; give a file path")
+    if suffixes is not None and target.suffix.lower() not in suffixes:
+        raise ValueError(f"{flag} {path}: unsupported file type {target.suffix or '(none)'!r}; use one of {', '.join(suffixes)}")
+    parent = target.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ValueError(f"{flag} {path}: {parent} is a file, not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK) or target.exists() and not os.access(target, os.W_OK):
+        raise ValueError(f"{flag} {path}: not writable")
+
+
+def _check_model(name: str) -> None:
+    path = Path(name).expanduser()
+    if name == TINY_MODEL or name in MODELS or (path / "config.json").is_file() or path.is_file() and path.suffix == ".gguf":
+        return
+    raise ValueError(f"unknown model {name!r}: expected one of {', '.join(list_models())}, a local HF model directory (with config.json) or a .gguf file")
+
+
+def validate(args, subparser: argparse.ArgumentParser) -> None:
+    """Check every argument of demo/eval/compare before any work starts; ValueError / MissingDependency with one line."""
+    _check_types(args, subparser)
+    for flag, value, low in [
+        ("--context", args.context, 16), ("--ppl-tokens", args.ppl_tokens, 1), ("--chunk", args.chunk, 1),
+        ("--decode-tokens", args.decode_tokens, 1), ("--fidelity-steps", args.fidelity_steps, 1),
+        ("--threads", args.threads, 0), ("--seed", args.seed, 0),
+    ]:
+        if value < low:
+            raise ValueError(f"{flag} must be >= {low}, got {value}")
+    lengths = _numbers("--needle-lengths", args.needle_lengths, int)
+    if any(n < 1 for n in lengths):
+        raise ValueError(f"--needle-lengths must be positive token counts, got {args.needle_lengths!r}")
+    depths = _numbers("--needle-depths", args.needle_depths, float)
+    if not depths or not all(0.0 <= d <= 1.0 for d in depths):
+        raise ValueError(f"--needle-depths must be numbers in [0, 1], got {args.needle_depths!r}")
+    try:
+        methods = _list(args.methods) if args.command == "compare" else [args.method] if args.method else []
+    except ValueError as err:
+        raise ValueError(f"--methods: {err}") from None
+    if args.command == "compare" and not methods:
+        from .peers import PEERS
+        from .registry import list_methods
+
+        raise ValueError(f"--methods is empty; give comma-separated names from: {', '.join(list_methods())}, {', '.join(PEERS)}")
+    for name in methods:
+        check_method(name)
+    _check_model(args.model)
+    require("tqdm.auto", "kvpack's evaluation (progress bars)")
+    if args.json:
+        _check_writable("--json", args.json)
+    if getattr(args, "plot", None):
+        require("matplotlib", "--plot")
+        from matplotlib.backend_bases import FigureCanvasBase
+
+        _check_writable("--plot", args.plot, tuple("." + ext for ext in FigureCanvasBase.get_supported_filetypes()))
 
 
 def _eval_config(args, methods: list[str]):
@@ -96,17 +233,28 @@ def _eval_config(args, methods: list[str]):
     )
 
 
+def _load(cfg):
+    from . import models
+
+    with install_hint(f"loading {cfg.model}"):
+        try:
+            return models.load_model(cfg.model, dtype=cfg.torch_dtype)
+        except ImportError as err:
+            if type(err) is ImportError and "gguf" in str(err).lower():  # transformers' own words name no install line
+                raise MissingDependency(missing_message("gguf", f"loading the GGUF model {cfg.model}")) from err
+            raise
+
+
 def _run(args, methods: list[str]) -> tuple[object, list[dict]]:
     import torch
 
     from .eval.runner import run
-    from .models import load_model
 
     cfg = _eval_config(args, methods)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     start = time.perf_counter()
-    model, tokenizer = load_model(cfg.model, dtype=cfg.torch_dtype)
+    model, tokenizer = _load(cfg)
     print(f"loaded {cfg.model} in {time.perf_counter() - start:.1f} s; {cfg.context}-token context, {cfg.text} text, {cfg.dtype}", flush=True)
     # Rows are saved after every method, so an interrupted comparison keeps what it measured.
     save = (lambda rows: _write_json(args.json, cfg, rows, quiet=True)) if args.json else None
@@ -175,7 +323,11 @@ def cmd_compare(args) -> int:
     if args.plot:
         plot(rows, args.plot)
         print(f"wrote {args.plot}")
-    return 0
+    # Unavailable peers (a package not installed) are reported, not failures; a method that raised is.
+    failed = [r["method"] for r in rows if r.get("status", "ok") != "ok" and not r["status"].startswith("unavailable")]
+    if failed:
+        print(f"kvpack compare: {len(failed)} method(s) failed: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def cmd_models(_args) -> int:
@@ -199,7 +351,11 @@ COMMANDS = {"demo": cmd_demo, "eval": cmd_eval, "compare": cmd_compare, "models"
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    """Run one command; 0 on success, 1 when a method failed, 2 on a bad argument or a missing package."""
+    try:
+        args = parse_args(argv)
+    except SystemExit as stop:  # argparse: --help (0) or a one-line error (2)
+        return stop.code if isinstance(stop.code, int) else 2
     try:
         return COMMANDS[args.command](args)
     except (ImportError, ValueError) as err:  # missing model package, bad option: the message says what to do

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 from transformers.cache_utils import Cache, DynamicCache, QuantizedCache
 
+from ._optional import missing_message
+
 PEERS = ("dynamic", "hf-quanto:2", "hf-quanto:4", "hf-hqq:2", "hf-hqq:4")
-_BACKENDS = {"hf-quanto": ("quanto", "optimum-quanto"), "hf-hqq": ("hqq", "hqq")}
+_BACKENDS = {"hf-quanto": ("quanto", "optimum"), "hf-hqq": ("hqq", "hqq")}  # transformers backend, import name
 
 
 class PeerUnavailable(RuntimeError):
@@ -30,11 +32,11 @@ def build_peer(model, method: str) -> Cache:
         return DynamicCache(config=model.config)
     name, _, bits = method.partition(":")
     if name not in _BACKENDS or bits not in ("2", "4"):
-        raise ValueError(f"unknown peer {method!r}; available: {list(PEERS)}")
-    backend, package = _BACKENDS[name]
+        raise ValueError(f"unknown peer {method!r}; available: {', '.join(PEERS)}")
+    backend, module = _BACKENDS[name]
     try:
         return QuantizedCache(backend=backend, config=model.config, nbits=int(bits), axis_key=0, axis_value=0)
     except ImportError as err:
-        raise PeerUnavailable(f"{method}: backend package missing ({err}); install it with: pip install {package}") from err
+        raise PeerUnavailable(f"{method}: {missing_message(module, f'the peer {method}')} ({err})") from err
     except ValueError as err:
         raise PeerUnavailable(f"{method}: {err}") from err

@@ -2,15 +2,18 @@
 
 A method names the K codec, the V codec, optional codecs for the prefill middle (Shard), the
 sink and window sizes and the compression block size. Codecs resolve lazily by import path, so
-a method file is only imported when it is used.
+a codec file is only imported when a method using it is built; building it also builds the
+codec's config, so a bad option fails there. A method builder registers itself with `@method`,
+naming its canonical variants, which `list_methods()` returns.
 """
 
 from __future__ import annotations
 
 import importlib
+import math
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import torch
@@ -50,18 +53,43 @@ def _load(path: str) -> Any:
 
 @dataclass(frozen=True)
 class CodecSpec:
-    """A codec name and the keyword options of its config dataclass."""
+    """A codec name and the keyword options of its config dataclass.
+
+    The config is built here, once, so an unknown or invalid option fails when the spec (and so the
+    method or cache) is made, not at the first flush mid-generate.
+    """
 
     codec: str
     options: dict[str, Any] = field(default_factory=dict)
+    _config: Any = field(init=False, repr=False, compare=False)  # set once in __post_init__
 
     def __post_init__(self):
         if self.codec not in CODECS:
             raise ValueError(f"unknown codec {self.codec!r}; available: {sorted(CODECS)}")
+        if not isinstance(self.options, dict):
+            raise TypeError(f"options must be a dict of the codec config's fields, got {type(self.options).__name__}")
+        config_class = _load(CONFIG_CLASSES[self.codec])
+        allowed = [f.name for f in fields(config_class)]
+        unknown = sorted(set(self.options) - set(allowed))
+        if unknown:
+            raise ValueError(f"codec {self.codec!r} has no option {', '.join(map(repr, unknown))}; its options are {allowed or 'none'}")
+        try:
+            config = config_class(**self.options)
+        except (TypeError, ValueError) as err:  # e.g. a string where a number goes
+            raise ValueError(f"codec {self.codec!r}: {err}") from err
+        object.__setattr__(self, "_config", config)
+
+    @property
+    def config(self) -> Any:
+        """The codec's validated, frozen config dataclass."""
+        return self._config
+
+    @property
+    def codec_class(self) -> type[Codec]:
+        return _load(CODECS[self.codec])
 
     def build(self, head_dim: int, kv_heads: int, layer_idx: int = 0) -> Codec:
-        config = _load(CONFIG_CLASSES[self.codec])(**self.options)
-        return _load(CODECS[self.codec])(config, head_dim, kv_heads, layer_idx)
+        return self.codec_class(self.config, head_dim, kv_heads, layer_idx)
 
 
 @dataclass(frozen=True)
@@ -88,6 +116,13 @@ class MethodConfig:
     exact_dtype: str = "float16"
 
     def __post_init__(self):
+        for attr in ("key", "value", "prefill_key", "prefill_value"):
+            spec = getattr(self, attr)
+            if not isinstance(spec, CodecSpec) and not (spec is None and attr.startswith("prefill")):
+                raise TypeError(f"{attr} must be a CodecSpec (e.g. CodecSpec('int8')), got {type(spec).__name__}")
+        for attr in ("sink_tokens", "window", "block_size"):
+            if isinstance(getattr(self, attr), bool) or not isinstance(getattr(self, attr), int):
+                raise TypeError(f"{attr} must be an int, got {getattr(self, attr)!r}")
         if self.exact_dtype not in EXACT_DTYPES:
             raise ValueError(f"exact_dtype must be one of {sorted(EXACT_DTYPES)}, got {self.exact_dtype!r}")
         for attr in ("sink_tokens", "window"):
@@ -104,16 +139,44 @@ class MethodConfig:
         return replace(self, **changes)
 
 
-def _fp16(_: str) -> MethodConfig:
+METHODS: dict[str, Callable[[str], MethodConfig]] = {}
+_CANONICAL: list[str] = []  # list_methods(), in registration order
+
+
+def method(name: str, *variants: str) -> Callable[[Callable[[str], MethodConfig]], Callable[[str], MethodConfig]]:
+    """Register a builder `fn(arg) -> MethodConfig` for `"name"` / `"name:arg"`, with its canonical variants.
+
+    `variants` are the args listed by `list_methods()` (the CLI and the test matrix); none lists `name` alone.
+    """
+
+    def register(builder: Callable[[str], MethodConfig]) -> Callable[[str], MethodConfig]:
+        METHODS[name] = builder
+        _CANONICAL.extend([f"{name}:{v}" for v in variants] or [name])
+        return builder
+
+    return register
+
+
+def _no_options(name: str, arg: str) -> None:
+    if arg:
+        raise ValueError(f"method {name!r} takes no options, got {name}:{arg}; use {name!r}")
+
+
+@method("fp16")
+def _fp16(arg: str) -> MethodConfig:
+    _no_options("fp16", arg)
     spec = CodecSpec("fp16")
     return MethodConfig("fp16", spec, spec, sink_tokens=0, window=0)
 
 
-def _int8(_: str) -> MethodConfig:
+@method("int8")
+def _int8(arg: str) -> MethodConfig:
+    _no_options("int8", arg)
     spec = CodecSpec("int8")
     return MethodConfig("int8", spec, spec)
 
 
+@method("turboquant", "k4v4", "k3v3", "k3v2", "k3v3+qjl")
 def _turboquant(arg: str) -> MethodConfig:
     match = re.fullmatch(r"k([1-4])v([1-4])(\+qjl)?", arg or "k3v2")
     if not match:
@@ -126,16 +189,26 @@ def _turboquant(arg: str) -> MethodConfig:
     return MethodConfig(f"turboquant:{arg or 'k3v2'}", key, CodecSpec("turboquant", {"bits": vb, "center": True}))
 
 
-def _polarquant(_: str) -> MethodConfig:
+@method("polarquant-int4")
+def _polarquant(arg: str) -> MethodConfig:
+    _no_options("polarquant-int4", arg)
     spec = CodecSpec("polarquant-int4")
     return MethodConfig("polarquant-int4", spec, spec)
 
 
+@method("qjl")
 def _qjl(arg: str) -> MethodConfig:
-    ratio = int(arg) if arg else 2
+    try:
+        ratio = float(arg) if arg else 2.0
+    except ValueError:
+        ratio = float("nan")
+    if not 0 < ratio < math.inf:
+        raise ValueError(f"qjl takes a sketch ratio, sign bits per key coordinate, a positive number (e.g. qjl:2, qjl:4), got {arg!r}")
+    ratio = int(ratio) if ratio.is_integer() else ratio
     return MethodConfig(f"qjl:{ratio}" if arg else "qjl", CodecSpec("qjl", {"sketch_ratio": ratio}), CodecSpec("kivi", {"bits": 4, "axis": "token"}))
 
 
+@method("kivi", "4", "2")
 def _kivi(arg: str) -> MethodConfig:
     if arg not in ("2", "4"):
         raise ValueError(f"kivi takes 2 or 4 bits (kivi:2, kivi:4), got {arg!r}")
@@ -143,6 +216,7 @@ def _kivi(arg: str) -> MethodConfig:
     return MethodConfig(f"kivi:{bits}", CodecSpec("kivi", {"bits": bits, "axis": "channel"}), CodecSpec("kivi", {"bits": bits, "axis": "token"}))
 
 
+@method("shard")
 def _shard(arg: str) -> MethodConfig:
     stream = {"": CodecSpec("int8"), "int8": CodecSpec("int8"), "tq4": CodecSpec("turboquant", {"bits": 4}), "fp16": CodecSpec("fp16")}
     if arg not in stream:
@@ -154,16 +228,6 @@ def _shard(arg: str) -> MethodConfig:
     return MethodConfig("shard" + (f":{arg}" if arg else ""), s, s, prefill_key=CodecSpec("pca"), prefill_value=value)
 
 
-METHODS: dict[str, Callable[[str], MethodConfig]] = {
-    "fp16": _fp16,
-    "int8": _int8,
-    "turboquant": _turboquant,
-    "polarquant-int4": _polarquant,
-    "qjl": _qjl,
-    "kivi": _kivi,
-    "shard": _shard,
-}
-
 DEFAULT_METHOD = "turboquant:k3v2"
 
 
@@ -172,13 +236,13 @@ def get_method(method: str | MethodConfig) -> MethodConfig:
     if isinstance(method, MethodConfig):
         return method
     if not isinstance(method, str):
-        raise ValueError(f"method must be a name or a MethodConfig, got {type(method).__name__}")
+        raise TypeError(f"method must be a name (e.g. {DEFAULT_METHOD!r}) or a MethodConfig, got {type(method).__name__}")
     name, _, arg = method.partition(":")
     if name not in METHODS:
-        raise ValueError(f"unknown method {method!r}; available: {sorted(METHODS)} (e.g. 'turboquant:k3v3', 'kivi:2')")
+        raise ValueError(f"unknown method {method!r}; available: {', '.join(list_methods())}")
     return METHODS[name](arg)
 
 
 def list_methods() -> list[str]:
-    """Canonical method names, for the CLI and the test matrix."""
-    return ["fp16", "int8", "turboquant:k4v4", "turboquant:k3v3", "turboquant:k3v2", "turboquant:k3v3+qjl", "polarquant-int4", "qjl", "kivi:4", "kivi:2", "shard"]
+    """Canonical method names, for the CLI and the test matrix: every registered method's listed variants."""
+    return list(_CANONICAL)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
 
-from ..registry import DEFAULT_METHOD, MethodConfig, get_method
+from ..registry import DEFAULT_METHOD, CodecSpec, MethodConfig, get_method
 from .layer import KVPackLayer
 
 # Architectures whose attention modules were verified to call `past_key_values.update` with
@@ -20,20 +22,63 @@ def _text_config(model_or_config):
     return config, config.get_text_config(decoder=True)
 
 
-def _rope_per_layer(model, text_config, n_layers: int) -> list[tuple[torch.Tensor, float] | None]:
+def layer_kinds(text_config) -> list[tuple[str, int | None]]:
+    """(attention kind, window) of every layer, inferred as transformers' `DynamicCache(config=...)` does.
+
+    `layer_types` when the config has it; otherwise a layer is "sliding_attention" when the config sets
+    `sliding_window` (Mistral: every layer keeps only the window), "chunked_attention" when it sets
+    `attention_chunk_size`, else "full_attention" (transformers 5.x `get_layer_types_and_kwargs`).
+    """
+    n_layers = text_config.num_hidden_layers
+    window, chunk = getattr(text_config, "sliding_window", None), getattr(text_config, "attention_chunk_size", None)
+    types = getattr(text_config, "layer_types", None)
+    if types is None:
+        kind = "sliding_attention" if window is not None else "chunked_attention" if chunk is not None else "full_attention"
+        types = [kind] * n_layers
+    return [(t, window if t == "sliding_attention" else chunk if t == "chunked_attention" else None) for t in types]
+
+
+def _specs(method: MethodConfig) -> list[CodecSpec]:
+    return [s for s in (method.key, method.value, method.prefill_key, method.prefill_value) if s is not None]
+
+
+def _uses_positions(method: MethodConfig) -> bool:
+    return any(spec.codec_class.uses_positions for spec in _specs(method))
+
+
+def _check_codecs(method: MethodConfig, text, model_type: str, has_model: bool) -> None:
+    """Build each codec of the method once for this model's head size, so bad options fail here, not mid-generate."""
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    for spec in _specs(method):
+        if spec.codec_class.uses_positions and not has_model:
+            raise ValueError(
+                f"method {method.name!r} stores keys without RoPE (codec {spec.codec!r}): pass the model, not its config, "
+                "so kvpack can read the rotary embedding (KVCache(model, ...))"
+            )
+        try:
+            spec.build(head_dim, kv_heads)
+        except ValueError as err:
+            raise ValueError(
+                f"method {method.name!r} cannot run on {model_type!r} with head_dim {head_dim} and {kv_heads} kv heads: {err}. "
+                "int8 and turboquant (e.g. 'turboquant:k3v3') work with any head size"
+            ) from err
+
+
+def _rope_per_layer(model, kinds: list[tuple[str, int | None]]) -> list[tuple[torch.Tensor, float] | None]:
     """(inv_freq, attention_scaling) of each layer, read from the model's rotary modules."""
     if model is None or not hasattr(model, "modules"):
-        return [None] * n_layers
+        return [None] * len(kinds)
     emb = [m for m in model.modules() if hasattr(m, "inv_freq") and hasattr(m, "attention_scaling")]
     if not emb:
         # Gemma3-style rotary modules keep one buffer per layer type.
         emb = [m for m in model.modules() if any(n.endswith("inv_freq") for n, _ in m.named_buffers(recurse=False))]
     if not emb:
-        return [None] * n_layers
+        return [None] * len(kinds)
     rotary = emb[0]
-    types = getattr(text_config, "layer_types", None) or ["full_attention"] * n_layers
     out = []
-    for layer_type in types:
+    for layer_type, _ in kinds:
         inv = getattr(rotary, f"{layer_type}_inv_freq", None)
         if inv is None:
             inv = getattr(rotary, "inv_freq", None)
@@ -45,10 +90,12 @@ def _rope_per_layer(model, text_config, n_layers: int) -> list[tuple[torch.Tenso
 class KVCache(Cache):
     """A compressed KV cache to pass as `model.generate(past_key_values=...)`.
 
-    model_or_config: the model (preferred: its rotary parameters are read for RoPE-aware codecs)
-    or its config. method: a registry name ("turboquant:k3v3", "kivi:2", "shard", ...) or a
-    `MethodConfig`. Sliding-window layers (Gemma3's local layers) keep transformers' own bounded
-    window; every full-attention layer is compressed.
+    model_or_config: the model (preferred: its rotary parameters are read for RoPE-aware codecs;
+    required by them, e.g. Shard) or its config. method: a registry name ("turboquant:k3v3",
+    "kivi:2", "shard", ...) or a `MethodConfig`. Layer kinds are read from the config as
+    `DynamicCache(config=...)` reads them (`layer_kinds`): sliding-window layers (Gemma3's local
+    layers, every layer of a Mistral-style config with `sliding_window` and no `layer_types`) keep
+    transformers' own bounded window; every full-attention layer is compressed.
     """
 
     def __init__(self, model_or_config, method: str | MethodConfig = DEFAULT_METHOD, allow_untested: bool = False):
@@ -61,18 +108,31 @@ class KVCache(Cache):
             )
         self.method = get_method(method)
         self.model_config = config
-        n_layers = text.num_hidden_layers
         model = model_or_config if hasattr(model_or_config, "config") else None
-        ropes = _rope_per_layer(model, text, n_layers)
-        types = getattr(text, "layer_types", None) or ["full_attention"] * n_layers
+        kinds = layer_kinds(text)
+        if any(kind == "full_attention" for kind, _ in kinds):
+            _check_codecs(self.method, text, model_type, model is not None)
+        ropes = _rope_per_layer(model, kinds)
+        needs_rope = _uses_positions(self.method)
         layers = []
-        for idx, layer_type in enumerate(types):
-            if layer_type == "sliding_attention":
-                layers.append(DynamicSlidingWindowLayer(sliding_window=text.sliding_window))
-            elif layer_type == "full_attention":
+        for idx, (kind, window) in enumerate(kinds):
+            if kind in ("sliding_attention", "chunked_attention"):
+                layers.append(DynamicSlidingWindowLayer(sliding_window=window))
+            elif kind == "full_attention":
+                if ropes[idx] is None and needs_rope:
+                    raise ValueError(
+                        f"method {self.method.name!r} needs the rotary embedding of layer {idx}, "
+                        f"but {type(model).__name__} has no rotary module kvpack can read; use a method without RoPE-free keys (e.g. 'int8')"
+                    )
                 layers.append(KVPackLayer(self.method, idx, config, ropes[idx]))
             else:
-                raise ValueError(f"layer {idx} of {model_type!r} has type {layer_type!r}; kvpack handles full and sliding attention only")
+                raise ValueError(f"layer {idx} of {model_type!r} has type {kind!r}; kvpack handles full and sliding attention only")
+        if not any(isinstance(layer, KVPackLayer) for layer in layers):
+            warnings.warn(
+                f"every layer of this {model_type!r} model is sliding-window (window {kinds[0][1]}): like DynamicCache, kvpack keeps "
+                "only the window, uncompressed, and compresses nothing",
+                stacklevel=2,
+            )
         super().__init__(layers=layers)
 
     def memory_report(self) -> dict:

@@ -134,6 +134,8 @@ class KVPackLayer(CacheLayerMixin):
                 "implementation while this cache expected kvpack's (was kvpack.disable() or set_attn_implementation called "
                 "mid-generation?). Use a fresh cache, and keep kvpack.enable(model) on for its whole life."
             )
+        if self.exact_dtype == torch.float16 and key_states.dtype != torch.float16:
+            self._check_fits_fp16(key_states, value_states)
         key_states, value_states = key_states.to(self.exact_dtype), value_states.to(self.exact_dtype)
         n_sink = min(max(self.method.sink_tokens - self.sink_k.shape[2], 0), key_states.shape[2])
         if n_sink:
@@ -320,6 +322,15 @@ class KVPackLayer(CacheLayerMixin):
             raise ValueError(
                 f"layer {self.layer_idx} was initialized for batch {self.batch}, {self.kv_heads} kv heads, head_dim {self.head_dim}; "
                 f"got {tuple(k.shape)}. Use a fresh cache (or cache.reset()) for a new batch."
+            )
+
+    def _check_fits_fp16(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Sinks and window are stored in fp16 by default: refuse values fp16 would turn into Inf."""
+        if (DEBUG or k.device.type == "cpu") and k.numel() and max(k.abs().amax(), v.abs().amax()) > torch.finfo(torch.float16).max:
+            raise ValueError(
+                f"layer {self.layer_idx}: key/value states exceed the float16 range (65504) of kvpack's exact sinks and window, "
+                "so nothing was stored; build the method with exact_dtype='bfloat16' or 'native', e.g. "
+                "kvpack.get_method(name).with_options(exact_dtype='bfloat16')"
             )
 
     def _map_batch(self, fn) -> None:

@@ -8,7 +8,10 @@ zero over each group of `group_size` tokens; values are quantized per token in g
 Every packed tensor keeps tokens at dim 2. For `axis="channel"` the per-(token group, channel)
 scales are *spread* over the group's token rows: a group of G tokens holds d scales, stored as
 G rows of ceil(d / G) values (zero-padded when G does not divide d). Blocks therefore concatenate
-along dim 2 like every other codec, and slicing at group boundaries stays exact.
+along dim 2 like every other codec, and slicing at group boundaries stays exact. For
+`axis="token"` a head_dim that G does not divide (48, 80 with G = 32) ends in a shorter channel
+group: the vector is padded to a whole group by repeating its last channel (which leaves that
+group's min and max unchanged), and only the d real codes are stored.
 
 Compressed-domain attention never rebuilds K or V in float: the scale is folded into the
 smaller operand and the zero point becomes a rank-one correction.
@@ -19,7 +22,8 @@ operand has rows × d (or rows × tokens) entries, much fewer than the tokens ×
 rebuild when decoding (rows = GQA group), and equal work in prefill.
 
 Layout per vector (d, b bits, G = 32): d·b/8 B codes + 2·2·d/G B of scale/zero;
-d=128, 2 bits: 32 + 16 = 48 B (3 bits/value); 4 bits: 64 + 16 = 80 B.
+d=128, 2 bits: 32 + 16 = 48 B (3 bits/value); 4 bits: 64 + 16 = 80 B. A partial last group
+costs a whole group's scale and zero: d=80 (token axis), 2 bits: 20 + 12 = 32 B.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ AXES = ("channel", "token")
 class KiviConfig:
     """bits: 2 | 4. axis: "channel" (keys: per-channel groups of `group_size` tokens; token
     counts must be multiples of group_size) | "token" (values: per-token groups of
-    `group_size` channels, clamped to head_dim and required to divide it)."""
+    `group_size` channels, clamped to head_dim; the last group is shorter when it does not divide it)."""
 
     bits: int = 2
     axis: str = "channel"
@@ -59,7 +63,7 @@ class KiviConfig:
 @dataclass
 class KiviPacked(Packed):
     codes: torch.Tensor  # (batch, kv_heads, tokens, ceil(d * bits / 8)) uint8, packed along channels
-    scale: torch.Tensor  # float16: token axis (b, kv, t, d / G); channel axis spread (b, kv, t, ceil(d / G))
+    scale: torch.Tensor  # float16: token axis (b, kv, t, ceil(d / G)); channel axis spread (b, kv, t, ceil(d / G))
     zero: torch.Tensor  # float16, same shape as scale: the group minimum
 
 
@@ -82,8 +86,7 @@ class KiviCodec(Codec):
     def __init__(self, config: KiviConfig, head_dim: int, kv_heads: int, layer_idx: int = 0):
         super().__init__(config, head_dim, kv_heads, layer_idx)
         self.group = config.group_size if config.axis == "channel" else min(config.group_size, head_dim)
-        if config.axis == "token" and head_dim % self.group:
-            raise ValueError(f"group_size {self.group} must divide head_dim {head_dim} for axis='token' (e.g. group_size=16)")
+        self.pad = (-head_dim) % self.group if config.axis == "token" else 0  # channels padding the last group
 
     @property
     def token_multiple(self) -> int:
@@ -99,29 +102,36 @@ class KiviCodec(Codec):
                 )
             q = quantize_affine(x, bits, g, axis=-2)
             return KiviPacked(x.shape[2], pack_bits(q.codes, bits), _spread(q.scale, g), _spread(q.zero, g))
-        q = quantize_affine(x, bits, g, axis=-1)
-        return KiviPacked(x.shape[2], pack_bits(q.codes, bits), q.scale, q.zero)
+        q = quantize_affine(self._pad_channels(x), bits, g, axis=-1)
+        return KiviPacked(x.shape[2], pack_bits(q.codes[..., : self.head_dim], bits), q.scale, q.zero)
+
+    def _pad_channels(self, x: torch.Tensor) -> torch.Tensor:
+        """`(..., d)` -> `(..., d + pad)`: the last channel repeated, so the last group's min and max stay its own."""
+        return torch.cat([x, x[..., -1:].expand(*x.shape[:-1], self.pad)], -1) if self.pad else x
 
     def _codes(self, packed: KiviPacked) -> torch.Tensor:
         return unpack_bits(packed.codes, self.config.bits, self.head_dim).float()
 
     def _meta(self, packed: KiviPacked) -> tuple[torch.Tensor, torch.Tensor]:
-        """scale, zero float32: channel (b, kv, ng, d); token (b, kv, t, d / G)."""
+        """scale, zero float32: channel (b, kv, ng, d); token (b, kv, t, ceil(d / G))."""
         if self.config.axis == "channel":
             return _collect(packed.scale, self.group, self.head_dim), _collect(packed.zero, self.group, self.head_dim)
         return packed.scale.float(), packed.zero.float()
 
     def decode(self, packed: KiviPacked, positions: torch.Tensor | None = None) -> torch.Tensor:
         scale, zero = self._meta(packed)
-        dim = -2 if self.config.axis == "channel" else -1
-        return self._codes(packed) * scale.repeat_interleave(self.group, dim) + zero.repeat_interleave(self.group, dim)
+        if self.config.axis == "channel":
+            return self._codes(packed) * scale.repeat_interleave(self.group, -2) + zero.repeat_interleave(self.group, -2)
+        d = self.head_dim
+        return self._codes(packed) * scale.repeat_interleave(self.group, -1)[..., :d] + zero.repeat_interleave(self.group, -1)[..., :d]
 
     def _by_group(self, codes: torch.Tensor) -> torch.Tensor:
-        """codes `(b, kv, t, d)` -> channel: `(b, kv, ng, G, d)`; token: `(b, kv, nj, t, G)`."""
+        """codes `(b, kv, t, d)` -> channel: `(b, kv, ng, G, d)`; token: `(b, kv, nj, t, G)` (zero codes pad the last group)."""
         b, h, t, d = codes.shape
         if self.config.axis == "channel":
             return codes.view(b, h, t // self.group, self.group, d)
-        return codes.view(b, h, t, d // self.group, self.group).permute(0, 1, 3, 2, 4)
+        codes = F.pad(codes, (0, self.pad))
+        return codes.view(b, h, t, -1, self.group).permute(0, 1, 3, 2, 4)
 
     def scores(self, query: torch.Tensor, packed: KiviPacked, query_positions=None, key_positions=None) -> torch.Tensor:
         check_query(query, self.kv_heads, self.head_dim)
@@ -133,7 +143,7 @@ class KiviCodec(Codec):
             qs = q.unsqueeze(2) * scale.unsqueeze(3)  # (b, kv, ng, R, d): query folded with each group's scale
             out = (qs @ codes.mT).permute(0, 1, 3, 2, 4).reshape(b, h, rows, -1)
             return ungroup(out + (q @ zero.mT).repeat_interleave(self.group, -1), query.shape[1])
-        qj = q.view(b, h, rows, -1, self.group).permute(0, 1, 3, 2, 4)  # (b, kv, nj, R, G)
+        qj = F.pad(q, (0, self.pad)).view(b, h, rows, -1, self.group).permute(0, 1, 3, 2, 4)  # (b, kv, nj, R, G), zero-padded
         out = ((qj @ codes.mT) * scale.permute(0, 1, 3, 2).unsqueeze(3)).sum(2)  # (b, kv, R, t)
         return ungroup(out + qj.sum(-1).transpose(2, 3) @ zero.mT, query.shape[1])
 
@@ -148,4 +158,5 @@ class KiviCodec(Codec):
             return ungroup(out + pg.sum(-1).transpose(2, 3) @ zero, probs.shape[1])
         ps = p.unsqueeze(2) * scale.permute(0, 1, 3, 2).unsqueeze(3)  # (b, kv, nj, R, t): probs folded with scale
         out = (ps @ codes).permute(0, 1, 3, 2, 4).reshape(b, h, rows, -1)
-        return ungroup(out + (p @ zero).repeat_interleave(self.group, -1), probs.shape[1])
+        out = out + (p @ zero).repeat_interleave(self.group, -1)
+        return ungroup(out[..., : self.head_dim], probs.shape[1])

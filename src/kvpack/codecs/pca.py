@@ -208,6 +208,10 @@ class PCAKeyCodec(Codec):
                 for v, s, n in zip(variances, starts, sizes, strict=True)
             ]
         alloc = allocate_bits(errors, sizes, round(cfg.bits * rank))
+        if not any(alloc):
+            # A degenerate block (all-zero or constant keys: no variance to code) drops every group;
+            # keep the first at the narrowest width so tokens still pack to codes and scores work.
+            alloc = (min(b for b in BIT_OPTIONS if b),) + tuple(alloc[1:])
         kept = [c for s, n, b in zip(starts, sizes, alloc, strict=True) if b for c in range(s, s + n)]
         self.segments = tuple((n, b) for n, b in zip(sizes, alloc, strict=True) if b)
         basis = result.basis[:, :, kept]

@@ -14,7 +14,9 @@ and the query projection all see only the inlier part. Blocks encoded before a l
 are not decodable with the new state.
 
 Layout per key (d, m = r·d, n outliers): m/8 B signs + 2 B norm + 2n B outliers;
-d=128, r=2, n=4: 32 + 2 + 8 = 42 B.
+d=128, r=2, n=4: 32 + 2 + 8 = 42 B. A block whose norms (or outlier values) exceed fp16's
+range (65504) keeps them in float32 instead (4 B each) rather than storing inf: rare (a key
+that large is already near the limit of an fp16 model), and exact where fp16 would return NaN.
 """
 
 from __future__ import annotations
@@ -53,8 +55,16 @@ class QJLConfig:
 @dataclass
 class QJLPacked(Packed):
     signs: torch.Tensor  # (batch, kv_heads, tokens, ceil(m / 8)) uint8, sign(S k_inlier)
-    norm: torch.Tensor  # (batch, kv_heads, tokens, 1) float16, ||k_inlier||
-    outliers: torch.Tensor  # (batch, kv_heads, tokens, n_outliers) float16, exact outlier channels
+    norm: torch.Tensor  # (batch, kv_heads, tokens, 1) float16 (float32 past fp16's range), ||k_inlier||
+    outliers: torch.Tensor  # (batch, kv_heads, tokens, n_outliers) float16 (float32 past fp16's range), exact outlier channels
+
+
+_FP16_MAX = torch.finfo(torch.float16).max
+
+
+def _storable(x: torch.Tensor) -> torch.Tensor:
+    """float16 when every value fits (the usual case), else the float32 values: never inf from overflow."""
+    return x.half() if not x.numel() or float(x.abs().max()) <= _FP16_MAX else x.float()
 
 
 class QJLCodec(Codec):
@@ -107,7 +117,7 @@ class QJLCodec(Codec):
         outliers = x.gather(-1, idx)
         inlier = x.scatter(-1, idx, 0.0)
         bits = (inlier @ self.sketch(x.device).mT >= 0).to(torch.uint8)  # S has zero outlier columns
-        return QJLPacked(x.shape[2], pack_bits(bits, 1), inlier.norm(dim=-1, keepdim=True).half(), outliers.half())
+        return QJLPacked(x.shape[2], pack_bits(bits, 1), _storable(inlier.norm(dim=-1, keepdim=True)), _storable(outliers))
 
     def _signs(self, packed: QJLPacked) -> torch.Tensor:
         return unpack_bits(packed.signs, 1, self.m).float() * 2 - 1

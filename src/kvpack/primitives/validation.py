@@ -4,15 +4,26 @@ from __future__ import annotations
 
 import torch
 
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
 
 def check_kv(x: torch.Tensor, head_dim: int | None = None, name: str = "x") -> None:
-    """Validate a block of vectors `(batch, kv_heads, tokens, head_dim)`."""
+    """Validate a block of vectors `(batch, kv_heads, tokens, head_dim)` of a float dtype (float16/bfloat16/float32/float64).
+
+    TypeError for a wrong type or dtype, ValueError for a wrong shape or non-finite values.
+    """
     if not isinstance(x, torch.Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        raise TypeError(f"{name} must be a torch.Tensor of shape (batch, kv_heads, tokens, head_dim), got {type(x).__name__}")
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(
+            f"{name} must be float16, bfloat16, float32 or float64 (the model's key/value states), got {x.dtype}; "
+            f"convert with {name}.float() if these are real keys or values"
+        )
     if x.dim() != 4:
-        raise ValueError(f"{name} must have shape (batch, kv_heads, tokens, head_dim), got rank {x.dim()} shape {tuple(x.shape)}")
-    if not x.dtype.is_floating_point:
-        raise ValueError(f"{name} must be floating point (float16/bfloat16/float32), got {x.dtype}")
+        raise ValueError(
+            f"{name} must have shape (batch, kv_heads, tokens, head_dim), got rank {x.dim()} shape {tuple(x.shape)}; "
+            "add the missing axes (e.g. x[None] for a single batch row)"
+        )
     if head_dim is not None and x.shape[-1] != head_dim:
         raise ValueError(f"{name} has head_dim {x.shape[-1]} but this codec was built for head_dim {head_dim}")
     if x.numel() and not torch.isfinite(x).all():

@@ -1,0 +1,289 @@
+"""Bad input fails early and says what to do; awkward but valid input works.
+
+Methods and codec options are checked when the cache is built (not at the first flush
+mid-generate), head sizes that are not a multiple of 32 work, codecs reject integer or
+mis-shaped tensors by name, degenerate key blocks fit, and norms past fp16's range survive.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import kvpack
+from kvpack import _optional
+from kvpack.codecs.base import group_query, ungroup
+from kvpack.codecs.kivi import KiviCodec, KiviConfig
+from kvpack.primitives.rope import apply_rope, rope_cos_sin
+from kvpack.registry import METHODS, CodecSpec, MethodConfig, get_method, list_methods, method
+
+SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+
+
+def _llama(head_dim: int = 64):
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(head_dim=head_dim, **SMALL)).eval()
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return _llama()
+
+
+# -- methods and options: rejected when the cache is built ------------------------------------------
+@pytest.mark.parametrize(
+    "name, match",
+    [
+        ("nope", r"unknown method 'nope'; available: fp16, int8, turboquant:k4v4"),
+        ("int8:foo", r"'int8' takes no options, got int8:foo; use 'int8'"),
+        ("fp16:1", r"'fp16' takes no options"),
+        ("qjl:abc", r"qjl takes a sketch ratio.*positive number \(e.g. qjl:2, qjl:4\), got 'abc'"),
+        ("qjl:0", r"qjl takes a sketch ratio"),
+        ("kivi:3", r"kivi takes 2 or 4 bits \(kivi:2, kivi:4\), got '3'"),
+        ("turboquant:k5v2", r"turboquant takes 'kXvY'"),
+        ("shard:zip", r"shard takes a decode-stream codec in \['fp16', 'int8', 'tq4'\]"),
+    ],
+)
+def test_bad_method_names_fail_at_construction(llama, name, match):
+    with pytest.raises(ValueError, match=match):
+        kvpack.KVCache(llama, name)
+
+
+def test_unknown_codec_option_lists_the_allowed_ones():
+    with pytest.raises(ValueError, match=r"codec 'kivi' has no option 'bitz'; its options are \['bits', 'axis', 'group_size'\]"):
+        CodecSpec("kivi", {"bitz": 2})
+    with pytest.raises(ValueError, match=r"codec 'int8' has no option 'scale'; its options are none"):
+        CodecSpec("int8", {"scale": 1})
+
+
+@pytest.mark.parametrize(
+    "codec, options, match",
+    [
+        ("kivi", {"bits": 3}, r"codec 'kivi': bits must be one of \(2, 4\), got 3"),
+        ("pca", {"scope": "row"}, r"codec 'pca': scope must be one of \['layer', 'head'\]"),
+        ("vq", {"codebook_size": 1000}, r"codec 'vq': codebook_size must be in 2..256"),
+        ("pca", {"rank": "high"}, r"codec 'pca'"),  # a TypeError inside the config becomes a ValueError naming the codec
+    ],
+)
+def test_bad_codec_option_values_fail_when_the_spec_is_made(codec, options, match):
+    with pytest.raises(ValueError, match=match):
+        CodecSpec(codec, options)
+
+
+def test_method_config_checks_its_fields():
+    with pytest.raises(TypeError, match=r"key must be a CodecSpec"):
+        MethodConfig("x", {"codec": "int8"}, CodecSpec("int8"))
+    with pytest.raises(TypeError, match=r"window must be an int"):
+        MethodConfig("x", CodecSpec("int8"), CodecSpec("int8"), window=6.5)
+
+
+def test_options_that_need_the_head_size_fail_at_construction_not_mid_generate(llama):
+    # group_size 5 does not divide head_dim 64: before, this surfaced at the first flush inside generate().
+    method = MethodConfig("vq5", CodecSpec("int8"), CodecSpec("vq", {"group_size": 5}))
+    with pytest.raises(ValueError, match=r"method 'vq5' cannot run on 'llama' with head_dim 64.*group_size 5 must divide head_dim 64"):
+        kvpack.KVCache(llama, method)
+
+
+def test_shard_from_a_config_says_to_pass_the_model(llama):
+    with pytest.raises(ValueError, match=r"pass the model, not its config, so kvpack can read the rotary embedding"):
+        kvpack.KVCache(llama.config, "shard")
+    kvpack.KVCache(llama, "shard")  # the model itself is fine
+    kvpack.KVCache(llama.config, "int8")  # and methods that keep RoPE'd keys accept a config
+
+
+# -- list_methods is the registry -----------------------------------------------------------------
+def test_list_methods_resolve_to_themselves():
+    names = list_methods()
+    assert names == ["fp16", "int8", "turboquant:k4v4", "turboquant:k3v3", "turboquant:k3v2", "turboquant:k3v3+qjl",
+                     "polarquant-int4", "qjl", "kivi:4", "kivi:2", "shard"]
+    assert [get_method(n).name for n in names] == names
+
+
+def test_a_registered_method_is_listed(monkeypatch):
+    monkeypatch.setattr("kvpack.registry._CANONICAL", list(list_methods()))
+    monkeypatch.setitem(METHODS, "int8-long", None)
+
+    @method("int8-long", "128", "256")
+    def _build(arg: str) -> MethodConfig:
+        return MethodConfig(f"int8-long:{arg}", CodecSpec("int8"), CodecSpec("int8"), window=int(arg))
+
+    assert list_methods()[-2:] == ["int8-long:128", "int8-long:256"]
+    assert get_method("int8-long:256").window == 256
+
+
+# -- head sizes that are not a multiple of 32 -------------------------------------------------------
+@pytest.mark.parametrize("head_dim", [48, 80])
+@pytest.mark.parametrize("name", ["kivi:2", "kivi:4", "qjl"])
+def test_odd_head_sizes_generate_like_the_uncompressed_cache(head_dim, name):
+    model = _llama(head_dim)
+    ids = torch.randint(0, 128, (1, 150), generator=torch.Generator().manual_seed(0))
+    expected = model(ids).logits[0, -1]
+
+    @torch.no_grad()
+    def last_logits(cache):
+        model(ids[:, :149], past_key_values=cache, use_cache=True)  # 149 - 64 window - 4 sinks: a compressed segment
+        return model(ids[:, 149:], past_key_values=cache, use_cache=True).logits[0, -1]
+
+    cache = kvpack.KVCache(model, name)
+    got = last_logits(cache)
+    assert torch.isfinite(got).all()
+    codec = "qjl" if name == "qjl" else "kivi"
+    assert any(seg.startswith(f"stream:{codec}/kivi") for seg in cache.memory_report()["segments"])  # tokens were compressed
+    kvpack.enable(model)  # compressed-domain attention (the padded channel group in scores / weighted_sum)
+    try:
+        torch.testing.assert_close(last_logits(kvpack.KVCache(model, name)), got, atol=1e-5, rtol=1e-4)
+    finally:
+        kvpack.disable(model)
+    # A random 2-layer model: compressed logits stay close to the exact ones (cosine), far from noise.
+    assert torch.nn.functional.cosine_similarity(got, expected, dim=0) > 0.95
+
+
+@pytest.mark.parametrize("head_dim, group", [(48, 32), (80, 32), (20, 8), (16, 32)])
+@pytest.mark.parametrize("bits", [2, 4])
+def test_kivi_token_axis_partial_last_group(head_dim, group, bits):
+    codec = KiviCodec(KiviConfig(bits, "token", group), head_dim, 2)
+    x = torch.randn(2, 2, 37, head_dim, generator=torch.Generator().manual_seed(head_dim))
+    packed = codec.encode(x)
+    groups = -(-head_dim // min(group, head_dim))
+    assert packed.codes.shape == (2, 2, 37, head_dim * bits // 8)
+    assert packed.scale.shape == packed.zero.shape == (2, 2, 37, groups)
+    y = codec.decode(packed)
+    # Affine rounding: every value within half a step of its own group's (fp16-stored) scale.
+    scale = packed.scale.float().repeat_interleave(min(group, head_dim), -1)[..., :head_dim]
+    assert ((y - x).abs() <= scale / 2 + 1e-3).all()
+    # The last, shorter group's range is its own channels' (padding repeats a channel, adds no range).
+    last = x[..., (groups - 1) * min(group, head_dim):]
+    torch.testing.assert_close(packed.zero.float()[..., -1], last.amin(-1), atol=2e-3, rtol=2e-3)
+    # Compressed-domain attention equals decode-then-matmul.
+    q, p = torch.randn(2, 4, 3, head_dim), torch.softmax(torch.randn(2, 4, 3, 37), -1)
+    ref_scores = ungroup(group_query(q, 2) @ y.transpose(-1, -2), 4)
+    torch.testing.assert_close(codec.scores(q, packed), ref_scores, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(codec.weighted_sum(p, packed), ungroup(group_query(p, 2) @ y, 4), atol=1e-4, rtol=1e-4)
+
+
+# -- tensors a codec cannot take ------------------------------------------------------------------
+@pytest.mark.parametrize("codec, options", [("int8", {}), ("turboquant", {"bits": 3}), ("kivi", {"bits": 2, "axis": "token"}), ("qjl", {}), ("pca", {}), ("vq", {})])
+def test_codecs_reject_integer_and_3d_keys_by_name(codec, options):
+    c = CodecSpec(codec, options).build(64, 2)
+    with pytest.raises(TypeError, match=r"x must be float16, bfloat16, float32 or float64 .* got torch.int64"):
+        c.encode(torch.ones(1, 2, 32, 64, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"x must have shape \(batch, kv_heads, tokens, head_dim\), got rank 3 shape \(2, 32, 64\)"):
+        c.encode(torch.randn(2, 32, 64))
+    with pytest.raises(TypeError, match=r"x must be a torch.Tensor"):
+        c.encode([[0.0] * 64])
+
+
+# -- degenerate key blocks --------------------------------------------------------------------------
+@pytest.mark.parametrize("keys", ["zeros", "constant"])
+@pytest.mark.parametrize("scope", ["layer", "head"])
+def test_pca_fits_a_degenerate_block_and_scores_it(keys, scope):
+    """Zero keys, or keys whose un-RoPEd form is one constant vector: no variance for the PCA to find."""
+    inv_freq = 1.0 / 10000 ** (torch.arange(32) / 32)
+    codec = CodecSpec("pca", {"scope": scope}).build(64, 2)
+    codec.set_rope(inv_freq)
+    pos = torch.arange(40).expand(2, -1)
+    x = torch.zeros(2, 2, 40, 64) if keys == "zeros" else apply_rope(torch.ones(2, 2, 40, 64), *rope_cos_sin(pos, inv_freq, 1.0))
+    packed = codec.encode(x, pos)  # before: a rank-0 fit, then a reshape error in scores
+    assert codec.rank >= 1
+    decoded = codec.decode(packed, pos)
+    q, q_pos = torch.randn(2, 4, 1, 64), torch.full((2, 1), 40)
+    ref = ungroup(group_query(q, 2) @ decoded.transpose(-1, -2), 4)
+    torch.testing.assert_close(codec.scores(q, packed, q_pos, pos), ref, atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(decoded, x, atol=1e-2, rtol=0)
+
+
+def test_shard_cache_with_all_zero_keys_decodes(llama):
+    cache = kvpack.KVCache(llama, "shard")
+    zeros = torch.zeros(1, 2, 200, 64)
+    for layer in range(2):
+        keys, values = cache.update(zeros, zeros, layer)
+        assert torch.equal(keys, zeros) and torch.equal(values, zeros)
+    keys, _ = cache.update(torch.zeros(1, 2, 1, 64), torch.zeros(1, 2, 1, 64), 0)
+    assert keys.shape == (1, 2, 201, 64) and torch.equal(keys, torch.zeros_like(keys))
+
+
+# -- norms past fp16's range ------------------------------------------------------------------------
+@pytest.mark.parametrize("codec", ["qjl", "polarquant-int4"])
+def test_key_norm_past_fp16_range_round_trips(codec):
+    """A key of norm 1e5 (> 65504) decodes finite, as the same key at unit norm scaled up (both codecs are scale-equivariant)."""
+    c = CodecSpec(codec).build(64, 2)
+    x = torch.randn(1, 2, 40, 64, generator=torch.Generator().manual_seed(0))
+    c.fit(x)  # QJL picks its outlier channels from the normal block
+    unit = x[:, :, 5:6] / x[:, :, 5:6].norm(dim=-1, keepdim=True)
+    big = x.clone()
+    big[:, :, 5:6] = unit * 1e5
+    packed = c.encode(big)
+    decoded = c.decode(packed)
+    assert torch.isfinite(decoded).all()
+    reference = c.decode(c.encode(unit)) * 1e5
+    torch.testing.assert_close(decoded[:, :, 5:6], reference, rtol=1e-3, atol=1e-3 * 1e5 / 8)
+    q = torch.randn(1, 4, 1, 64)
+    scores = c.scores(q, packed)
+    assert torch.isfinite(scores).all()
+    torch.testing.assert_close(scores, ungroup(group_query(q, 2) @ decoded.transpose(-1, -2), 4), rtol=1e-4, atol=1e-2)
+    # The other tokens are coded as without the large one.
+    # The other tokens are coded as without the large one (up to their norms' fp16 rounding, 2^-11).
+    torch.testing.assert_close(decoded[:, :, :5], c.decode(c.encode(x[:, :, :5])), rtol=1e-3, atol=1e-3)
+
+
+def test_qjl_keeps_fp16_norms_when_they_fit_and_concatenates_both():
+    from kvpack.codecs import concat_packed
+
+    c = CodecSpec("qjl").build(64, 2)
+    x = torch.randn(1, 2, 8, 64)
+    small, large = c.encode(x), c.encode(x * 1e5)
+    assert small.norm.dtype == torch.float16 and large.norm.dtype == torch.float32
+    both = concat_packed([small, large])
+    torch.testing.assert_close(c.decode(both)[:, :, 8:], c.decode(small) * 1e5, rtol=1e-3, atol=1.0)
+
+
+# -- optional dependencies --------------------------------------------------------------------------
+def test_missing_optional_package_names_the_install_line(monkeypatch):
+    monkeypatch.setitem(sys.modules, "tqdm", None)
+    monkeypatch.setitem(sys.modules, "tqdm.auto", None)
+    with pytest.raises(ImportError, match=r'progress needs the optional package .tqdm.*pip install "kvpack\[eval\]"') as err:
+        _optional.require("tqdm.auto", "progress")
+    assert 'pip install -e ".[eval]"' in str(err.value)
+    monkeypatch.setitem(sys.modules, "optimum", None)
+    monkeypatch.setitem(sys.modules, "optimum.quanto", None)
+    with pytest.raises(ImportError, match=r"the peer hf-quanto:4 needs the optional package 'optimum-quanto'.*kvpack\[peers\]"):
+        with _optional.install_hint("the peer hf-quanto:4"):
+            import optimum.quanto  # noqa: F401
+    with pytest.raises(ModuleNotFoundError, match="kvpack_no_such_module"), _optional.install_hint("x"):
+        import kvpack_no_such_module  # noqa: F401  (not an optional package of ours: left as it is)
+
+
+def test_peer_with_missing_backend_names_the_install_line(llama, monkeypatch):
+    from kvpack.peers import PeerUnavailable, build_peer
+
+    monkeypatch.setattr("transformers.cache_utils.is_hqq_available", lambda: False)  # how transformers sees hqq missing
+    with pytest.raises(PeerUnavailable, match=r"hf-hqq:4: the peer hf-hqq:4 needs the optional package 'hqq'.*pip install \"kvpack\[peers\]\""):
+        build_peer(llama, "hf-hqq:4")
+
+
+def test_core_imports_and_runs_without_the_eval_extras():
+    """`import kvpack` and the default method on a model, with every optional package made unimportable."""
+    blocked = ["matplotlib", "gguf", "accelerate", "optimum", "optimum.quanto", "hqq", "scipy"]
+    script = textwrap.dedent(f"""
+        import sys
+        for name in {blocked!r}:
+            sys.modules[name] = None
+        import torch
+        from transformers import LlamaConfig, LlamaForCausalLM
+        import kvpack
+        model = LlamaForCausalLM(LlamaConfig(**{SMALL!r})).eval()
+        cache = kvpack.KVCache(model, "turboquant:k3v2")
+        with torch.no_grad():
+            model(torch.randint(0, 128, (1, 100)), past_key_values=cache, use_cache=True)
+        assert cache.get_seq_length() == 100
+        own = [m for m in sys.modules if m.startswith("kvpack")]
+        assert not any(m.startswith(("kvpack.eval", "kvpack.cli", "kvpack.bench")) for m in own), own
+        print("ok")
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-2000:]
