@@ -1,7 +1,13 @@
 """Shared fixtures. Evaluation fixtures (issue 4) are prefixed `eval_`."""
 
-import pytest
-import torch
+import os
+
+# Triton decides at its first import whether to interpret kernels on the CPU, and `import kvpack`
+# can import it indirectly (transformers -> a peer -> torch.compile): set the switch before anything.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 
 @pytest.fixture(scope="session")

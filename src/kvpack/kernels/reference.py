@@ -1,0 +1,405 @@
+"""Pure-torch references of kvpack's fused ops: the contract every backend (C++, Triton) is held to.
+
+Attention ops return an online-softmax *partial* over one compressed segment, so segments (and the
+splits of a flash-decoding kernel) merge exactly by log-sum-exp:
+
+    m (B, H, R, 1)   row max of the scores (0 for a row whose every score is -inf)
+    l (B, H, R, 1)   Σ_t p[r, t] with p = exp(s - m)
+    o (B, H, R, dv)  Σ_t p[r, t] · v(t), unnormalized
+
+all float32. Queries are grouped for GQA (`group_query` in codecs/base.py): `q (B, H, R, d)` holds the
+R = group · q_len rows (group-major: r = g · q_len + i) that read kv head H. Scores are
+
+    s[r, t] = softcap(scale · (<q[r], k(t)> + row_offset[r])) + bias[r % n, t]
+
+with softcap(x) = c · tanh(x / c) when c > 0. `bias (B|1, H|1, n, T)`, R % n == 0, is an additive mask
+(-inf = masked): row r reads bias row r % n, so one `(B, 1, q_len, T)` mask serves every head of a group.
+
+Every reference walks the segment in chunks of `TOKEN_CHUNK` tokens, so its float temporaries are
+bounded by B·H·TOKEN_CHUNK·max(d, R) elements on any device: it never widens a whole segment's codes
+into a float (T, d) tensor. `compute_dtype` lets tests build the low-precision baseline (float16 or
+bfloat16 math) that float kernels are compared against.
+
+`check_*` validate an op's arguments (shapes, dtypes, devices; never values, so no host sync); the
+references and the Triton launchers call them before any work.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ..primitives.affine import quantize_affine
+from ..primitives.packing import pack_bits, packed_length, unpack_bits
+from ..primitives.rotation import is_power_of_two, randomized_hadamard
+
+# Tokens per step of the references. Bounds temporaries to B·H·TOKEN_CHUNK·max(d, R) floats; 512 keeps
+# each step a matmul large enough that the Python loop costs little.
+TOKEN_CHUNK = 512
+TQ_BITS = (1, 2, 3, 4)
+KIVI_BITS = (2, 4)
+KIVI_AXES = ("channel", "token")
+_TINY = torch.finfo(torch.float32).tiny
+
+
+# -- validation ----------------------------------------------------------------------------------
+def _expect(name: str, t: torch.Tensor | None, dtypes: tuple[torch.dtype, ...], shape: tuple, device: torch.device) -> None:
+    """`t` a tensor on `device` with a dtype in `dtypes` and `shape` (None entries are free)."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but the query is on {device}; move all inputs to one device")
+    if t.dtype not in dtypes:
+        raise ValueError(f"{name} must be {' or '.join(map(str, dtypes))}, got {t.dtype}")
+    if t.dim() != len(shape) or any(s is not None and s != n for s, n in zip(shape, t.shape, strict=True)):
+        want = "(" + ", ".join("*" if s is None else str(s) for s in shape) + ("," if len(shape) == 1 else "") + ")"
+        raise ValueError(f"{name} must have shape {want}, got {tuple(t.shape)}")
+
+
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _check_query(name: str, q: torch.Tensor) -> tuple[int, int, int, int]:
+    if not isinstance(q, torch.Tensor) or q.dim() != 4:
+        raise ValueError(f"{name} must be a 4-D tensor (batch, kv_heads, rows, head_dim), got {getattr(q, 'shape', type(q).__name__)}")
+    _expect(name, q, _FLOATS, (None,) * 4, q.device)
+    return tuple(q.shape)
+
+
+def _check_mask(q: torch.Tensor, t: int, row_offset: torch.Tensor | None, bias: torch.Tensor | None, softcap: float) -> None:
+    b, h, r, _ = q.shape
+    if row_offset is not None:
+        _expect("row_offset", row_offset, _FLOATS, (b, h, r, 1), q.device)
+    if bias is not None:
+        _expect("bias", bias, _FLOATS, (None, None, None, t), q.device)
+        bb, bh, n, _ = bias.shape
+        if bb not in (1, b) or bh not in (1, h) or n < 1 or r % n:
+            raise ValueError(f"bias must have shape (1 or {b}, 1 or {h}, n, {t}) with n dividing the {r} query rows, got {tuple(bias.shape)}")
+    if not softcap >= 0:
+        raise ValueError(f"softcap must be >= 0 (0 disables), got {softcap!r}")
+
+
+def _check_bits(name: str, bits: int, allowed: tuple[int, ...]) -> None:
+    if bits not in allowed:
+        raise ValueError(f"{name} must be one of {allowed}, got {bits!r}")
+
+
+def check_tq_attention(q_rot, k_codes, k_norm, k_centroids, k_bits, v_codes, v_norm, v_centroids, v_bits, d, row_offset, bias, softcap) -> None:
+    b, h, _, dk = _check_query("q_rot", q_rot)
+    _check_bits("k_bits", k_bits, TQ_BITS)
+    _check_bits("v_bits", v_bits, TQ_BITS)
+    dev = q_rot.device
+    _expect("k_codes", k_codes, (torch.uint8,), (b, h, None, packed_length(dk, k_bits)), dev)
+    t = k_codes.shape[2]
+    _expect("k_norm", k_norm, (torch.float16,), (b, h, t, 1), dev)
+    _expect("k_centroids", k_centroids, (torch.float32,), (2**k_bits,), dev)
+    if not isinstance(d, int) or d < 1:
+        raise ValueError(f"d (the value head dim) must be a positive int, got {d!r}")
+    _expect("v_codes", v_codes, (torch.uint8,), (b, h, t, packed_length(d, v_bits)), dev)
+    _expect("v_norm", v_norm, (torch.float16,), (b, h, t, 1), dev)
+    _expect("v_centroids", v_centroids, (torch.float32,), (2**v_bits,), dev)
+    _check_mask(q_rot, t, row_offset, bias, softcap)
+
+
+def check_int8_attention(q, k_codes, k_scale, v_codes, v_scale, bias, softcap) -> None:
+    b, h, _, d = _check_query("q", q)
+    _expect("k_codes", k_codes, (torch.int8,), (b, h, None, d), q.device)
+    t = k_codes.shape[2]
+    _expect("k_scale", k_scale, (torch.float16,), (b, h, t, 1), q.device)
+    _expect("v_codes", v_codes, (torch.int8,), (b, h, t, None), q.device)
+    _expect("v_scale", v_scale, (torch.float16,), (b, h, t, 1), q.device)
+    _check_mask(q, t, None, bias, softcap)
+
+
+def check_kivi_attention(q, k_codes, k_scale, k_zero, k_bits, k_group, v_codes, v_scale, v_zero, v_bits, v_group, bias, softcap) -> None:
+    b, h, _, d = _check_query("q", q)
+    _check_bits("k_bits", k_bits, KIVI_BITS)
+    _check_bits("v_bits", v_bits, KIVI_BITS)
+    for name, g in (("k_group", k_group), ("v_group", v_group)):
+        if not isinstance(g, int) or g < 1:
+            raise ValueError(f"{name} must be a positive int, got {g!r}")
+    dev = q.device
+    _expect("k_codes", k_codes, (torch.uint8,), (b, h, None, packed_length(d, k_bits)), dev)
+    t = k_codes.shape[2]
+    if t % k_group:
+        raise ValueError(f"KIVI keys hold whole groups of k_group={k_group} tokens, got {t} tokens")
+    per_row = -(-d // k_group)
+    _expect("k_scale", k_scale, (torch.float16,), (b, h, t, per_row), dev)
+    _expect("k_zero", k_zero, (torch.float16,), (b, h, t, per_row), dev)
+    _expect("v_scale", v_scale, (torch.float16,), (b, h, t, None), dev)
+    dv = v_scale.shape[-1] * v_group
+    _expect("v_zero", v_zero, (torch.float16,), (b, h, t, v_scale.shape[-1]), dev)
+    _expect("v_codes", v_codes, (torch.uint8,), (b, h, t, packed_length(dv, v_bits)), dev)
+    _check_mask(q, t, None, bias, softcap)
+
+
+def check_tq_encode(x, mean, inv_scale, signs, boundaries, bits) -> None:
+    if not isinstance(x, torch.Tensor) or x.dim() != 4:
+        raise ValueError(f"x must be a 4-D tensor (batch, kv_heads, tokens, head_dim), got {getattr(x, 'shape', type(x).__name__)}")
+    _expect("x", x, _FLOATS, (None,) * 4, x.device)
+    _, h, _, d = x.shape
+    if not is_power_of_two(d) or d < 8:
+        raise ValueError(f"tq_encode needs a power-of-two head_dim >= 8 (the Walsh-Hadamard rotation), got {d}")
+    _check_bits("bits", bits, TQ_BITS)
+    for name, t in (("mean", mean), ("inv_scale", inv_scale)):
+        if t is not None:
+            _expect(name, t, (torch.float32,), (h, d), x.device)
+    _expect("signs", signs, (torch.float32,), (h, d), x.device)
+    _expect("boundaries", boundaries, (torch.float32,), (2**bits - 1,), x.device)
+
+
+def check_kivi_encode(x, bits, group, axis) -> None:
+    if not isinstance(x, torch.Tensor) or x.dim() != 4:
+        raise ValueError(f"x must be a 4-D tensor (batch, kv_heads, tokens, head_dim), got {getattr(x, 'shape', type(x).__name__)}")
+    _expect("x", x, _FLOATS, (None,) * 4, x.device)
+    _check_bits("bits", bits, KIVI_BITS)
+    if axis not in KIVI_AXES:
+        raise ValueError(f"axis must be one of {KIVI_AXES}, got {axis!r}")
+    if not isinstance(group, int) or group < 1:
+        raise ValueError(f"group must be a positive int, got {group!r}")
+    size = x.shape[2] if axis == "channel" else x.shape[3]
+    if size % group:
+        raise ValueError(f"group {group} must divide the {'tokens' if axis == 'channel' else 'head_dim'} ({size}) for axis={axis!r}")
+
+
+# -- attention -----------------------------------------------------------------------------------
+def _bias_rows(bias: torch.Tensor, rows: int, t0: int, t1: int) -> torch.Tensor:
+    """Tokens [t0, t1) of `bias (B|1, H|1, n, T)` with row r reading row r % n: `(B|1, H|1, rows, t1 - t0)`."""
+    chunk = bias[..., t0:t1]
+    return chunk if chunk.shape[2] == rows else chunk.repeat(1, 1, rows // chunk.shape[2], 1)
+
+
+def _online_softmax(
+    shape: tuple[int, int, int],
+    dv: int,
+    tokens: int,
+    chunk: int,
+    scores: Callable[[int, int], torch.Tensor],
+    values: Callable[[int, int], torch.Tensor],
+    scale: float,
+    bias: torch.Tensor | None,
+    softcap: float,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Fold tokens [t0, t1) chunk by chunk: `scores(t0, t1)` gives raw `(B, H, R, t1 - t0)` products,
+    `values(t0, t1)` the `(B, H, t1 - t0, dv)` decoded values (both in `dtype`)."""
+    b, h, r = shape
+    m = torch.full((b, h, r, 1), float("-inf"), dtype=dtype, device=device)
+    denom = torch.zeros((b, h, r, 1), dtype=dtype, device=device)
+    o = torch.zeros((b, h, r, dv), dtype=dtype, device=device)
+    for t0 in range(0, tokens, chunk):
+        t1 = min(tokens, t0 + chunk)
+        s = scores(t0, t1) * scale
+        if softcap:
+            s = torch.tanh(s / softcap) * softcap
+        if bias is not None:
+            s = s + _bias_rows(bias, r, t0, t1).to(dtype)
+        m_new = torch.maximum(m, s.amax(-1, keepdim=True))
+        m_safe = m_new.masked_fill(m_new == float("-inf"), 0.0)  # a fully masked row so far: p = 0, never NaN
+        alpha = torch.exp(m - m_safe)
+        p = torch.exp(s - m_safe)
+        denom = denom * alpha + p.sum(-1, keepdim=True)
+        o = o * alpha + p @ values(t0, t1)
+        m = m_new
+    m = m.masked_fill(m == float("-inf"), 0.0)
+    return m.float(), denom.float(), o.float()
+
+
+def tq_attention(
+    q_rot: torch.Tensor,
+    k_codes: torch.Tensor,
+    k_norm: torch.Tensor,
+    k_centroids: torch.Tensor,
+    k_bits: int,
+    v_codes: torch.Tensor,
+    v_norm: torch.Tensor,
+    v_centroids: torch.Tensor,
+    v_bits: int,
+    d: int,
+    scale: float,
+    row_offset: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    softcap: float = 0.0,
+    *,
+    compute_dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Partial attention over TurboQuant MSE codes, in the rotated space.
+
+    q_rot (B, H, R, dk) float: queries already rotated (and multiplied by the codec's channel scale).
+    k_codes (B, H, T, ceil(dk·k_bits/8)) uint8, k_norm (B, H, T, 1) float16, k_centroids (2**k_bits,)
+    float32: k(t) = k_norm[t] · k_centroids[code(t)]. v_* likewise with v_bits and d (the value head
+    dim). row_offset (B, H, R, 1) is added to <q, k> before scaling (e.g. q·μ of a centered codec).
+    Returns (m, denom, o) as in the module docstring; o stays in the rotated space.
+    """
+    check_tq_attention(q_rot, k_codes, k_norm, k_centroids, k_bits, v_codes, v_norm, v_centroids, v_bits, d, row_offset, bias, softcap)
+    b, h, r, dk = q_rot.shape
+    q = q_rot.to(compute_dtype)
+    k_table, v_table = k_centroids.to(compute_dtype), v_centroids.to(compute_dtype)
+
+    def scores(t0: int, t1: int) -> torch.Tensor:
+        k = k_table[unpack_bits(k_codes[:, :, t0:t1], k_bits, dk).long()]  # (B, H, C, dk)
+        s = (q @ k.mT) * k_norm[:, :, t0:t1].to(compute_dtype).mT
+        return s if row_offset is None else s + row_offset.to(compute_dtype)
+
+    def values(t0: int, t1: int) -> torch.Tensor:
+        return v_table[unpack_bits(v_codes[:, :, t0:t1], v_bits, d).long()] * v_norm[:, :, t0:t1].to(compute_dtype)
+
+    return _online_softmax((b, h, r), d, k_codes.shape[2], TOKEN_CHUNK, scores, values, scale, bias, softcap, compute_dtype, q.device)
+
+
+def int8_attention(
+    q: torch.Tensor,
+    k_codes: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_codes: torch.Tensor,
+    v_scale: torch.Tensor,
+    scale: float,
+    bias: torch.Tensor | None = None,
+    softcap: float = 0.0,
+    *,
+    compute_dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Partial attention over per-token int8: q (B, H, R, d) float; k_codes (B, H, T, d) int8 with
+    k_scale (B, H, T, 1) float16 (k = scale · code); v_codes (B, H, T, dv) int8, v_scale likewise."""
+    check_int8_attention(q, k_codes, k_scale, v_codes, v_scale, bias, softcap)
+    b, h, r, _ = q.shape
+    qc = q.to(compute_dtype)
+
+    def scores(t0: int, t1: int) -> torch.Tensor:
+        return (qc @ k_codes[:, :, t0:t1].to(compute_dtype).mT) * k_scale[:, :, t0:t1].to(compute_dtype).mT
+
+    def values(t0: int, t1: int) -> torch.Tensor:
+        return v_codes[:, :, t0:t1].to(compute_dtype) * v_scale[:, :, t0:t1].to(compute_dtype)
+
+    dv = v_codes.shape[-1]
+    return _online_softmax((b, h, r), dv, k_codes.shape[2], TOKEN_CHUNK, scores, values, scale, bias, softcap, compute_dtype, q.device)
+
+
+def kivi_attention(
+    q: torch.Tensor,
+    k_codes: torch.Tensor,
+    k_scale: torch.Tensor,
+    k_zero: torch.Tensor,
+    k_bits: int,
+    k_group: int,
+    v_codes: torch.Tensor,
+    v_scale: torch.Tensor,
+    v_zero: torch.Tensor,
+    v_bits: int,
+    v_group: int,
+    scale: float,
+    bias: torch.Tensor | None = None,
+    softcap: float = 0.0,
+    *,
+    compute_dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Partial attention over KIVI keys (axis "channel") and values (axis "token"), codecs/kivi.py layout.
+
+    q (B, H, R, d) float. Keys: k_codes (B, H, T, ceil(d·k_bits/8)) uint8 packed along channels, T a
+    multiple of k_group; k_scale, k_zero (B, H, T, ceil(d/k_group)) float16 *spread*: the d values of
+    token group g sit in rows g·k_group ... as row-major (k_group, ceil(d/k_group)), so channel c of
+    token t reads row (t // k_group)·k_group + c // ceil(d/k_group), column c % ceil(d/k_group).
+    k = code · scale + zero. Values: v_codes (B, H, T, ceil(dv·v_bits/8)) uint8, v_scale, v_zero
+    (B, H, T, dv / v_group) float16 per token and channel group: v[j] = code[j] · scale[j // v_group] + zero[...].
+    """
+    check_kivi_attention(q, k_codes, k_scale, k_zero, k_bits, k_group, v_codes, v_scale, v_zero, v_bits, v_group, bias, softcap)
+    b, h, r, d = q.shape
+    dv = v_scale.shape[-1] * v_group
+    qc = q.to(compute_dtype)
+
+    def key_meta(meta: torch.Tensor, t0: int, t1: int) -> torch.Tensor:
+        """Spread rows [t0, t1) -> per-token channel values (B, H, t1 - t0, d)."""
+        spread = meta[:, :, t0:t1].to(compute_dtype)
+        groups = spread.reshape(b, h, (t1 - t0) // k_group, -1)[..., :d]  # (B, H, groups, d)
+        return groups.repeat_interleave(k_group, dim=2)
+
+    def scores(t0: int, t1: int) -> torch.Tensor:
+        codes = unpack_bits(k_codes[:, :, t0:t1], k_bits, d).to(compute_dtype)
+        k = codes * key_meta(k_scale, t0, t1) + key_meta(k_zero, t0, t1)
+        return qc @ k.mT
+
+    def values(t0: int, t1: int) -> torch.Tensor:
+        codes = unpack_bits(v_codes[:, :, t0:t1], v_bits, dv).to(compute_dtype)
+        s = v_scale[:, :, t0:t1].to(compute_dtype).repeat_interleave(v_group, dim=-1)
+        z = v_zero[:, :, t0:t1].to(compute_dtype).repeat_interleave(v_group, dim=-1)
+        return codes * s + z
+
+    chunk = max(k_group, TOKEN_CHUNK // k_group * k_group)  # whole key groups per step
+    return _online_softmax((b, h, r), dv, k_codes.shape[2], chunk, scores, values, scale, bias, softcap, compute_dtype, q.device)
+
+
+# -- encode ----------------------------------------------------------------------------------------
+def tq_rotated_unit(
+    x: torch.Tensor, mean: torch.Tensor | None, inv_scale: torch.Tensor | None, signs: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float stage of `tq_encode` for one chunk: `(norm (B, H, T, 1), y (B, H, T, d))` float32 with
+    y = FWHT(signs ⊙ u) / sqrt(d), u = x' / ||x'||, x' = (x - mean) ⊙ inv_scale (u = 0 when x' = 0)."""
+    xf = x.float()
+    if mean is not None:
+        xf = xf - mean[None, :, None, :]
+    if inv_scale is not None:
+        xf = xf * inv_scale[None, :, None, :]
+    norm = xf.norm(dim=-1, keepdim=True)
+    unit = xf / norm.clamp_min(_TINY)
+    return norm, randomized_hadamard(unit, signs[None, :, None, :])
+
+
+def tq_encode(
+    x: torch.Tensor,
+    mean: torch.Tensor | None,
+    inv_scale: torch.Tensor | None,
+    signs: torch.Tensor,
+    boundaries: torch.Tensor,
+    bits: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """TurboQuant MSE encode: x (B, H, T, d) float, d a power of two; mean, inv_scale (H, d) float32 or
+    None; signs (H, d) float32 ±1 (the randomized Hadamard of each head); boundaries (2**bits - 1,)
+    float32, sorted. Code = number of boundaries strictly below y (`torch.bucketize`, as
+    `Codebook.quantize`), bit-packed LSB-first (`pack_bits`).
+
+    Returns (norm (B, H, T, 1) float16, codes (B, H, T, d·bits/8) uint8).
+    """
+    check_tq_encode(x, mean, inv_scale, signs, boundaries, bits)
+    norms, codes = [], []
+    for t0 in range(0, x.shape[2], TOKEN_CHUNK):
+        norm, y = tq_rotated_unit(x[:, :, t0 : t0 + TOKEN_CHUNK], mean, inv_scale, signs)
+        norms.append(norm.half())
+        codes.append(pack_bits(torch.bucketize(y, boundaries), bits))
+    if not norms:  # no tokens
+        b, h, _, d = x.shape
+        return x.new_empty((b, h, 0, 1), dtype=torch.float16), x.new_empty((b, h, 0, d * bits // 8), dtype=torch.uint8)
+    return torch.cat(norms, dim=2), torch.cat(codes, dim=2)
+
+
+def kivi_encode(x: torch.Tensor, bits: int, group: int, axis: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """KIVI encode (codecs/kivi.py): min/max affine codes of `bits` bits over groups of `group` values,
+    scale and zero stored in fp16 and the codes computed against the stored values (`quantize_affine`).
+
+    x (B, H, T, d) float. axis "channel" (keys): per channel over each group of `group` tokens (T a
+    multiple of group); axis "token" (values): per token over each group of `group` channels. Returns
+    codes (B, H, T, ceil(d·bits/8)) uint8 packed along channels, and scale, zero float16: "channel"
+    spread to (B, H, T, ceil(d/group)) (layout in `kivi_attention`, zero-padded), "token" (B, H, T, d/group).
+    """
+    check_kivi_encode(x, bits, group, axis)
+    b, h, _, d = x.shape
+    chunk = max(group, TOKEN_CHUNK // group * group)  # whole token groups per step
+    codes, scales, zeros = [], [], []
+    for t0 in range(0, x.shape[2], chunk):
+        q = quantize_affine(x[:, :, t0 : t0 + chunk], bits, group, axis=-2 if axis == "channel" else -1)
+        codes.append(pack_bits(q.codes, bits))
+        scales.append(q.scale if axis == "token" else _spread(q.scale, group))
+        zeros.append(q.zero if axis == "token" else _spread(q.zero, group))
+    if not codes:
+        meta = -(-d // group) if axis == "channel" else d // group
+        empty = x.new_empty((b, h, 0, meta), dtype=torch.float16)
+        return x.new_empty((b, h, 0, packed_length(d, bits)), dtype=torch.uint8), empty, empty.clone()
+    return torch.cat(codes, dim=2), torch.cat(scales, dim=2), torch.cat(zeros, dim=2)
+
+
+def _spread(meta: torch.Tensor, group: int) -> torch.Tensor:
+    """Per-(token group, channel) `(B, H, groups, d)` -> `(B, H, groups·group, ceil(d/group))`, zero-padded."""
+    b, h, ng, d = meta.shape
+    per_row = -(-d // group)
+    return torch.nn.functional.pad(meta, (0, group * per_row - d)).reshape(b, h, ng * group, per_row)

@@ -1,0 +1,465 @@
+"""Triton flash-decoding attention over compressed KV segments (TurboQuant MSE, int8, KIVI).
+
+Same contract as `reference.py` (partial softmax `(m, denom, o)` over one segment; GQA rows grouped per
+kv head; optional row offset, softcap and additive bias). Grid: (B·H, row blocks, splits). Each
+program loads its kv head's query rows once, then walks its split of the sequence a tile of
+BLOCK_T tokens at a time: it loads packed codes, unpacks bits and looks up centroids (or scales
+and zero points) in registers, and folds the tile into an online softmax. So one pass over a kv
+head's codes serves its whole GQA group and all query tokens, and no float K or V ever reaches
+global memory. With more than one split, `_merge_kernel` combines the split partials by log-sum-exp.
+
+Launchers accept CUDA tensors, or CPU tensors when the kernels run under Triton's interpreter
+(`TRITON_INTERPRET=1` set before `triton` is first imported, as the tests do).
+Block sizes and split counts are first choices, not yet tuned on a GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from .reference import check_int8_attention, check_kivi_attention, check_tq_attention
+
+
+# -- shared device helpers -------------------------------------------------------------------------
+@triton.jit
+def _unpack(row_ptrs, cols, mask, BITS: tl.constexpr, NBYTES: tl.constexpr):
+    """b-bit codes at channel `cols (1, BD)` of LSB-first packed rows `row_ptrs (BT, 1)` -> int32 (BT, BD)."""
+    bit = cols * BITS
+    byte = bit // 8
+    word = tl.load(row_ptrs + byte, mask=mask, other=0).to(tl.int32)
+    if 8 % BITS != 0:  # widths that do not divide a byte (3 bits) straddle two bytes
+        hi = tl.load(row_ptrs + byte + 1, mask=mask & (byte + 1 < NBYTES), other=0).to(tl.int32)
+        word = word | (hi << 8)
+    return (word >> (bit % 8)) & ((1 << BITS) - 1)
+
+
+@triton.jit
+def _finish_scores(s, b, h, rows, toks, row_ok, tok_ok, scale, softcap,
+                   bias_ptr, sb_b, sb_h, sb_r, sb_t, bias_rows,
+                   HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+    """Scale, softcap, add the bias (row r reads bias row r % bias_rows), and mask tokens past the split."""
+    s = s * scale
+    if HAS_SOFTCAP:
+        # tanh(x) = 1 - 2 / (exp(2x) + 1): saturates to ±1 without overflow and needs no libdevice.
+        s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))
+    if HAS_BIAS:
+        ptrs = bias_ptr + b * sb_b + h * sb_h + (rows % bias_rows)[:, None] * sb_r + toks[None, :] * sb_t
+        s += tl.load(ptrs, mask=row_ok[:, None] & tok_ok[None, :], other=0.0).to(tl.float32)
+    return tl.where(tok_ok[None, :], s, float("-inf"))
+
+
+@triton.jit
+def _softmax_step(s, m_i):
+    """New running max, the rescale factor of the old sums, and p = exp(s - max) for one tile."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows masked so far keep p = 0, never NaN
+    return m_new, tl.exp(m_i - m_safe), tl.exp(s - m_safe[:, None])
+
+
+@triton.jit
+def _store_partial(m_i, l_i, acc, m_ptr, l_ptr, o_ptr, pid_bh, rows, row_ok, dv, R,
+                   DV: tl.constexpr, FINAL: tl.constexpr):
+    """Write this split's (m, denom, o) at [pid_bh, split, rows]; with one split these are the outputs."""
+    split = pid_bh * tl.num_programs(2) + tl.program_id(2)
+    out = split * R + rows
+    if FINAL:
+        m_i = tl.where(m_i == float("-inf"), 0.0, m_i)
+    tl.store(m_ptr + out, m_i, mask=row_ok)
+    tl.store(l_ptr + out, l_i, mask=row_ok)
+    tl.store(o_ptr + out[:, None] * DV + dv[None, :], acc, mask=row_ok[:, None] & (dv[None, :] < DV))
+
+
+# -- kernels ---------------------------------------------------------------------------------------
+@triton.jit
+def _tq_attention_kernel(
+    q_ptr, sq_b, sq_h, sq_r,
+    kc_ptr, skc_b, skc_h, skc_t, kn_ptr, skn_b, skn_h, skn_t, kcent_ptr,
+    vc_ptr, svc_b, svc_h, svc_t, vn_ptr, svn_b, svn_h, svn_t, vcent_ptr,
+    off_ptr, so_b, so_h, so_r,
+    bias_ptr, sb_b, sb_h, sb_r, sb_t, bias_rows,
+    m_ptr, l_ptr, o_ptr,
+    H, R, T, split_len, scale, softcap,
+    D: tl.constexpr, DV: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
+    KBYTES: tl.constexpr, VBYTES: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    HAS_OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, FINAL: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    pid_bh = tl.program_id(0).to(tl.int64)
+    b, h = pid_bh // H, pid_bh % H
+    rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < R
+    dk = tl.arange(0, BLOCK_D)
+    dv = tl.arange(0, BLOCK_DV)
+    q = tl.load(q_ptr + b * sq_b + h * sq_h + rows[:, None] * sq_r + dk[None, :],
+                mask=row_ok[:, None] & (dk[None, :] < D), other=0.0).to(tl.float32)  # (BR, BD)
+    if HAS_OFFSET:
+        offset = tl.load(off_ptr + b * so_b + h * so_h + rows * so_r, mask=row_ok, other=0.0).to(tl.float32)
+    kc = kc_ptr + b * skc_b + h * skc_h
+    kn = kn_ptr + b * skn_b + h * skn_h
+    vc = vc_ptr + b * svc_b + h * svc_h
+    vn = vn_ptr + b * svn_b + h * svn_h
+
+    m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_DV], tl.float32)
+    start = tl.program_id(2) * split_len
+    end = tl.minimum(start + split_len, T)
+    for t0 in range(start, end, BLOCK_T):
+        toks = t0 + tl.arange(0, BLOCK_T)
+        tok_ok = toks < end
+        code = _unpack(kc + toks[:, None] * skc_t, dk[None, :], tok_ok[:, None] & (dk[None, :] < D), KBITS, KBYTES)
+        k = tl.load(kcent_ptr + code)  # (BT, BD) unit centroids; padded channels meet q = 0
+        k_norm = tl.load(kn + toks * skn_t, mask=tok_ok, other=0.0).to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * k_norm[None, :]
+        if HAS_OFFSET:
+            s += offset[:, None]
+        s = _finish_scores(s, b, h, rows, toks, row_ok, tok_ok, scale, softcap,
+                           bias_ptr, sb_b, sb_h, sb_r, sb_t, bias_rows, HAS_BIAS, HAS_SOFTCAP)
+        m_i, alpha, p = _softmax_step(s, m_i)
+        code = _unpack(vc + toks[:, None] * svc_t, dv[None, :], tok_ok[:, None] & (dv[None, :] < DV), VBITS, VBYTES)
+        v = tl.load(vcent_ptr + code)  # (BT, BDV)
+        v_norm = tl.load(vn + toks * svn_t, mask=tok_ok, other=0.0).to(tl.float32)
+        # The value norm scales p (BR x BT) rather than the (BT x BDV) centroid tile: fewer multiplies.
+        acc = acc * alpha[:, None] + tl.dot(p * v_norm[None, :], v, input_precision=PRECISION)
+        l_i = l_i * alpha + tl.sum(p, 1)
+    _store_partial(m_i, l_i, acc, m_ptr, l_ptr, o_ptr, pid_bh, rows, row_ok, dv, R, DV, FINAL)
+
+
+@triton.jit
+def _int8_attention_kernel(
+    q_ptr, sq_b, sq_h, sq_r,
+    kc_ptr, skc_b, skc_h, skc_t, ks_ptr, sks_b, sks_h, sks_t,
+    vc_ptr, svc_b, svc_h, svc_t, vs_ptr, svs_b, svs_h, svs_t,
+    bias_ptr, sb_b, sb_h, sb_r, sb_t, bias_rows,
+    m_ptr, l_ptr, o_ptr,
+    H, R, T, split_len, scale, softcap,
+    D: tl.constexpr, DV: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, FINAL: tl.constexpr, PRECISION: tl.constexpr,
+):
+    pid_bh = tl.program_id(0).to(tl.int64)
+    b, h = pid_bh // H, pid_bh % H
+    rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < R
+    dk = tl.arange(0, BLOCK_D)
+    dv = tl.arange(0, BLOCK_DV)
+    q = tl.load(q_ptr + b * sq_b + h * sq_h + rows[:, None] * sq_r + dk[None, :],
+                mask=row_ok[:, None] & (dk[None, :] < D), other=0.0).to(tl.float32)
+    kc = kc_ptr + b * skc_b + h * skc_h
+    ks = ks_ptr + b * sks_b + h * sks_h
+    vc = vc_ptr + b * svc_b + h * svc_h
+    vs = vs_ptr + b * svs_b + h * svs_h
+
+    m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_DV], tl.float32)
+    start = tl.program_id(2) * split_len
+    end = tl.minimum(start + split_len, T)
+    for t0 in range(start, end, BLOCK_T):
+        toks = t0 + tl.arange(0, BLOCK_T)
+        tok_ok = toks < end
+        k = tl.load(kc + toks[:, None] * skc_t + dk[None, :], mask=tok_ok[:, None] & (dk[None, :] < D), other=0).to(tl.float32)
+        k_scale = tl.load(ks + toks * sks_t, mask=tok_ok, other=0.0).to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * k_scale[None, :]
+        s = _finish_scores(s, b, h, rows, toks, row_ok, tok_ok, scale, softcap,
+                           bias_ptr, sb_b, sb_h, sb_r, sb_t, bias_rows, HAS_BIAS, HAS_SOFTCAP)
+        m_i, alpha, p = _softmax_step(s, m_i)
+        v = tl.load(vc + toks[:, None] * svc_t + dv[None, :], mask=tok_ok[:, None] & (dv[None, :] < DV), other=0).to(tl.float32)
+        v_scale = tl.load(vs + toks * svs_t, mask=tok_ok, other=0.0).to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p * v_scale[None, :], v, input_precision=PRECISION)
+        l_i = l_i * alpha + tl.sum(p, 1)
+    _store_partial(m_i, l_i, acc, m_ptr, l_ptr, o_ptr, pid_bh, rows, row_ok, dv, R, DV, FINAL)
+
+
+@triton.jit
+def _kivi_attention_kernel(
+    q_ptr, sq_b, sq_h, sq_r,
+    kc_ptr, skc_b, skc_h, skc_t, ks_ptr, kz_ptr, sks_b, sks_h, sks_t,
+    vc_ptr, svc_b, svc_h, svc_t, vs_ptr, vz_ptr, svs_b, svs_h, svs_t,
+    bias_ptr, sb_b, sb_h, sb_r, sb_t, bias_rows,
+    m_ptr, l_ptr, o_ptr,
+    H, R, T, split_len, scale, softcap,
+    D: tl.constexpr, DV: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
+    KBYTES: tl.constexpr, VBYTES: tl.constexpr, KGROUP: tl.constexpr, KPER: tl.constexpr, VGROUP: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, FINAL: tl.constexpr, PRECISION: tl.constexpr,
+):
+    pid_bh = tl.program_id(0).to(tl.int64)
+    b, h = pid_bh // H, pid_bh % H
+    rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < R
+    dk = tl.arange(0, BLOCK_D)
+    dv = tl.arange(0, BLOCK_DV)
+    q = tl.load(q_ptr + b * sq_b + h * sq_h + rows[:, None] * sq_r + dk[None, :],
+                mask=row_ok[:, None] & (dk[None, :] < D), other=0.0).to(tl.float32)
+    kc = kc_ptr + b * skc_b + h * skc_h
+    k_meta = b * sks_b + h * sks_h
+    vc = vc_ptr + b * svc_b + h * svc_h
+    v_meta = b * svs_b + h * svs_h
+
+    m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_DV], tl.float32)
+    start = tl.program_id(2) * split_len
+    end = tl.minimum(start + split_len, T)
+    for t0 in range(start, end, BLOCK_T):
+        toks = t0 + tl.arange(0, BLOCK_T)
+        tok_ok = toks < end
+        k_ok = tok_ok[:, None] & (dk[None, :] < D)
+        code = _unpack(kc + toks[:, None] * skc_t, dk[None, :], k_ok, KBITS, KBYTES).to(tl.float32)
+        # Spread layout: channel c of token group g sits at row g·KGROUP + c // KPER, column c % KPER.
+        meta = k_meta + ((toks // KGROUP) * KGROUP)[:, None] * sks_t + (dk // KPER)[None, :] * sks_t + (dk % KPER)[None, :]
+        k = code * tl.load(ks_ptr + meta, mask=k_ok, other=0.0).to(tl.float32) + tl.load(kz_ptr + meta, mask=k_ok, other=0.0).to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        s = _finish_scores(s, b, h, rows, toks, row_ok, tok_ok, scale, softcap,
+                           bias_ptr, sb_b, sb_h, sb_r, sb_t, bias_rows, HAS_BIAS, HAS_SOFTCAP)
+        m_i, alpha, p = _softmax_step(s, m_i)
+        v_ok = tok_ok[:, None] & (dv[None, :] < DV)
+        code = _unpack(vc + toks[:, None] * svc_t, dv[None, :], v_ok, VBITS, VBYTES).to(tl.float32)
+        meta = v_meta + toks[:, None] * svs_t + (dv // VGROUP)[None, :]
+        v = code * tl.load(vs_ptr + meta, mask=v_ok, other=0.0).to(tl.float32) + tl.load(vz_ptr + meta, mask=v_ok, other=0.0).to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
+        l_i = l_i * alpha + tl.sum(p, 1)
+    _store_partial(m_i, l_i, acc, m_ptr, l_ptr, o_ptr, pid_bh, rows, row_ok, dv, R, DV, FINAL)
+
+
+@triton.jit
+def _merge_kernel(m_ptr, l_ptr, o_ptr, m_out, l_out, o_out, R, S,
+                  DV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """Log-sum-exp merge of S split partials (B·H, S, R[, DV]) into (B·H, R[, DV])."""
+    pid_bh = tl.program_id(0).to(tl.int64)
+    rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < R
+    dv = tl.arange(0, BLOCK_DV)
+    o_ok = row_ok[:, None] & (dv[None, :] < DV)
+    m = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    for s in range(0, S):
+        m = tl.maximum(m, tl.load(m_ptr + (pid_bh * S + s) * R + rows, mask=row_ok, other=float("-inf")))
+    m = tl.where(m == float("-inf"), 0.0, m)
+    l_sum = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_DV], tl.float32)
+    for s in range(0, S):
+        part = (pid_bh * S + s) * R + rows
+        w = tl.exp(tl.load(m_ptr + part, mask=row_ok, other=float("-inf")) - m)  # masked splits weigh 0
+        l_sum += w * tl.load(l_ptr + part, mask=row_ok, other=0.0)
+        acc += w[:, None] * tl.load(o_ptr + part[:, None] * DV + dv[None, :], mask=o_ok, other=0.0)
+    out = pid_bh * R + rows
+    tl.store(m_out + out, m, mask=row_ok)
+    tl.store(l_out + out, l_sum, mask=row_ok)
+    tl.store(o_out + out[:, None] * DV + dv[None, :], acc, mask=o_ok)
+
+
+# True when Triton's interpreter runs these kernels, CPU tensors allowed: TRITON_INTERPRET=1 was set before
+# triton (whose `tl.zeros`, `tl.sum`... are jit functions too) and this module were imported.
+INTERPRETED = not any(isinstance(f, triton.runtime.JITFunction) for f in (tl.zeros, _tq_attention_kernel))
+
+
+# -- launchers -------------------------------------------------------------------------------------
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _check_device(t: torch.Tensor) -> None:
+    if t.device.type == "cuda" or (INTERPRETED and t.device.type == "cpu"):
+        return
+    hint = "; CPU tensors need Triton's interpreter (TRITON_INTERPRET=1 before triton is first imported)" if t.device.type == "cpu" else ""
+    raise ValueError(f"Triton kernels need CUDA tensors, got {t.device}{hint}")
+
+
+def _rows_last(t: torch.Tensor) -> torch.Tensor:
+    """Kernels index batch, head and token dims by stride but need the last dim contiguous: slices of a
+    preallocated cache buffer along tokens stay zero-copy."""
+    return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
+
+
+def _same_strides(scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """KIVI's scale and zero share one set of strides in the kernels (they are sliced from alike buffers)."""
+    scale, zero = _rows_last(scale), _rows_last(zero)
+    return (scale, zero) if scale.stride() == zero.stride() else (scale.contiguous(), zero.contiguous())
+
+
+def _strides(t: torch.Tensor, dims: int = 3) -> tuple[int, ...]:
+    return tuple(t.stride(i) if t.shape[i] > 1 else 0 for i in range(dims))
+
+
+def _float32_buffers(rows: int, dv: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Flat m, l (rows,) and o (rows·dv,) float32, whatever torch's default dtype."""
+    return (torch.empty(rows, dtype=torch.float32, device=device), torch.empty(rows, dtype=torch.float32, device=device),
+            torch.empty(rows * dv, dtype=torch.float32, device=device))
+
+
+class _Plan:
+    """Grid and block sizes of one attention call."""
+
+    def __init__(self, q: torch.Tensor, t: int, d: int, dv: int, num_splits: int | None):
+        b, h, r, _ = q.shape
+        self.b, self.h, self.r, self.dv = b, h, r, dv
+        self.block_d = max(16, triton.next_power_of_2(d))
+        self.block_dv = max(16, triton.next_power_of_2(dv))
+        self.block_r = min(64, max(16, triton.next_power_of_2(r)))  # tl.dot needs >= 16 rows
+        # Register budget: a (BLOCK_T x BLOCK_D) code tile and a (BLOCK_R x BLOCK_DV) accumulator.
+        self.block_t = 64 if max(self.block_d, self.block_dv) <= 128 else 32
+        self.num_warps = 4 if max(self.block_d, self.block_dv) <= 128 else 8
+        self.row_blocks = triton.cdiv(r, self.block_r)
+        tiles = triton.cdiv(t, self.block_t)
+        if num_splits is None:
+            num_splits = 1
+            if q.device.type == "cuda":  # enough programs for two waves over the SMs, >= 4 tiles each
+                want = triton.cdiv(2 * _sm_count(q.device.index or 0), b * h * self.row_blocks)
+                num_splits = max(1, min(want, tiles // 4))
+        split_tiles = triton.cdiv(tiles, max(1, min(num_splits, tiles)))
+        self.split_len = split_tiles * self.block_t
+        self.splits = triton.cdiv(t, self.split_len)
+        self.precision = "tf32x3" if q.device.type == "cuda" and torch.version.hip is None else "ieee"
+
+    @property
+    def grid(self) -> tuple[int, int, int]:
+        return (self.b * self.h, self.row_blocks, self.splits)
+
+    def buffers(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Split partials (B·H, S, R[, DV]); with one split, the outputs themselves."""
+        return _float32_buffers(self.b * self.h * self.splits * self.r, self.dv, device)
+
+    def finish(self, m: torch.Tensor, denom: torch.Tensor, o: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        b, h, r, dv = self.b, self.h, self.r, self.dv
+        if self.splits > 1:
+            outs = _float32_buffers(b * h * r, dv, m.device)
+            _merge_kernel[(b * h, self.row_blocks)](m, denom, o, *outs, r, self.splits, DV=dv, BLOCK_R=self.block_r, BLOCK_DV=self.block_dv)
+            m, denom, o = outs
+        return m.view(b, h, r, 1), denom.view(b, h, r, 1), o.view(b, h, r, dv)
+
+
+def _empty(q: torch.Tensor, dv: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The partial of a segment with no tokens (or no rows): every row fully masked."""
+    b, h, r, _ = q.shape
+    z = q.new_zeros((b, h, r, 1), dtype=torch.float32)
+    return z, z.clone(), q.new_zeros((b, h, r, dv), dtype=torch.float32)
+
+
+def _bias_args(bias: torch.Tensor | None, q: torch.Tensor) -> tuple:
+    """Bias pointer, strides (b, h, row, token; 0 on broadcast dims) and row count; a dummy without bias."""
+    if bias is None:
+        return (q, 0, 0, 0, 0, 1)
+    return (bias, *_strides(bias, 3), bias.stride(3), bias.shape[2])
+
+
+def tq_attention(
+    q_rot: torch.Tensor,
+    k_codes: torch.Tensor,
+    k_norm: torch.Tensor,
+    k_centroids: torch.Tensor,
+    k_bits: int,
+    v_codes: torch.Tensor,
+    v_norm: torch.Tensor,
+    v_centroids: torch.Tensor,
+    v_bits: int,
+    d: int,
+    scale: float,
+    row_offset: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    softcap: float = 0.0,
+    *,
+    num_splits: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Triton `reference.tq_attention`; `num_splits` overrides the sequence split count (tests)."""
+    check_tq_attention(q_rot, k_codes, k_norm, k_centroids, k_bits, v_codes, v_norm, v_centroids, v_bits, d, row_offset, bias, softcap)
+    _check_device(q_rot)
+    t = k_codes.shape[2]
+    if t == 0 or q_rot.numel() == 0:
+        return _empty(q_rot, d)
+    q, kc, kn, vc, vn = (_rows_last(x) for x in (q_rot, k_codes, k_norm, v_codes, v_norm))
+    plan = _Plan(q, t, q.shape[-1], d, num_splits)
+    m, denom, o = plan.buffers(q.device)
+    off = (q, 0, 0, 0) if row_offset is None else (row_offset, *_strides(row_offset))
+    _tq_attention_kernel[plan.grid](
+        q, *_strides(q), kc, *_strides(kc), kn, *_strides(kn), k_centroids.contiguous(),
+        vc, *_strides(vc), vn, *_strides(vn), v_centroids.contiguous(),
+        *off, *_bias_args(bias, q), m, denom, o,
+        plan.h, plan.r, t, plan.split_len, float(scale), float(softcap),
+        D=q.shape[-1], DV=d, KBITS=k_bits, VBITS=v_bits, KBYTES=kc.shape[-1], VBYTES=vc.shape[-1],
+        BLOCK_R=plan.block_r, BLOCK_T=plan.block_t, BLOCK_D=plan.block_d, BLOCK_DV=plan.block_dv,
+        HAS_OFFSET=row_offset is not None, HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap > 0,
+        FINAL=plan.splits == 1, PRECISION=plan.precision, num_warps=plan.num_warps,
+    )
+    return plan.finish(m, denom, o)
+
+
+def int8_attention(
+    q: torch.Tensor,
+    k_codes: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_codes: torch.Tensor,
+    v_scale: torch.Tensor,
+    scale: float,
+    bias: torch.Tensor | None = None,
+    softcap: float = 0.0,
+    *,
+    num_splits: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Triton `reference.int8_attention`."""
+    check_int8_attention(q, k_codes, k_scale, v_codes, v_scale, bias, softcap)
+    _check_device(q)
+    t, dv = k_codes.shape[2], v_codes.shape[-1]
+    if t == 0 or q.numel() == 0:
+        return _empty(q, dv)
+    q, kc, ks, vc, vs = (_rows_last(x) for x in (q, k_codes, k_scale, v_codes, v_scale))
+    plan = _Plan(q, t, q.shape[-1], dv, num_splits)
+    m, denom, o = plan.buffers(q.device)
+    _int8_attention_kernel[plan.grid](
+        q, *_strides(q), kc, *_strides(kc), ks, *_strides(ks), vc, *_strides(vc), vs, *_strides(vs),
+        *_bias_args(bias, q), m, denom, o,
+        plan.h, plan.r, t, plan.split_len, float(scale), float(softcap),
+        D=q.shape[-1], DV=dv,
+        BLOCK_R=plan.block_r, BLOCK_T=plan.block_t, BLOCK_D=plan.block_d, BLOCK_DV=plan.block_dv,
+        HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap > 0, FINAL=plan.splits == 1, PRECISION=plan.precision,
+        num_warps=plan.num_warps,
+    )
+    return plan.finish(m, denom, o)
+
+
+def kivi_attention(
+    q: torch.Tensor,
+    k_codes: torch.Tensor,
+    k_scale: torch.Tensor,
+    k_zero: torch.Tensor,
+    k_bits: int,
+    k_group: int,
+    v_codes: torch.Tensor,
+    v_scale: torch.Tensor,
+    v_zero: torch.Tensor,
+    v_bits: int,
+    v_group: int,
+    scale: float,
+    bias: torch.Tensor | None = None,
+    softcap: float = 0.0,
+    *,
+    num_splits: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Triton `reference.kivi_attention`."""
+    check_kivi_attention(q, k_codes, k_scale, k_zero, k_bits, k_group, v_codes, v_scale, v_zero, v_bits, v_group, bias, softcap)
+    _check_device(q)
+    t, dv = k_codes.shape[2], v_scale.shape[-1] * v_group
+    if t == 0 or q.numel() == 0:
+        return _empty(q, dv)
+    q, kc, vc = (_rows_last(x) for x in (q, k_codes, v_codes))
+    ks, kz = _same_strides(k_scale, k_zero)
+    vs, vz = _same_strides(v_scale, v_zero)
+    plan = _Plan(q, t, q.shape[-1], dv, num_splits)
+    m, denom, o = plan.buffers(q.device)
+    _kivi_attention_kernel[plan.grid](
+        q, *_strides(q), kc, *_strides(kc), ks, kz, *_strides(ks), vc, *_strides(vc), vs, vz, *_strides(vs),
+        *_bias_args(bias, q), m, denom, o,
+        plan.h, plan.r, t, plan.split_len, float(scale), float(softcap),
+        D=q.shape[-1], DV=dv, KBITS=k_bits, VBITS=v_bits, KBYTES=kc.shape[-1], VBYTES=vc.shape[-1],
+        KGROUP=k_group, KPER=ks.shape[-1], VGROUP=v_group,
+        BLOCK_R=plan.block_r, BLOCK_T=plan.block_t, BLOCK_D=plan.block_d, BLOCK_DV=plan.block_dv,
+        HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap > 0, FINAL=plan.splits == 1, PRECISION=plan.precision,
+        num_warps=plan.num_warps,
+    )
+    return plan.finish(m, denom, o)

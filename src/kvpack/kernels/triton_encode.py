@@ -1,0 +1,220 @@
+"""Fused encode in Triton: TurboQuant MSE (center, scale, norm, randomized Hadamard, codebook search,
+pack) and KIVI (group min/max, fp16 scale and zero, affine codes, pack).
+
+Same contracts as `reference.tq_encode` / `reference.kivi_encode`; vectors stay in registers from the
+load of x to the store of the packed bytes. TurboQuant's Walsh-Hadamard transform runs as log2(d)
+butterfly stages in the order of `primitives.rotation.fwht`, each an exact add/subtract, so codes
+differ from the torch path only where the norm's summation order moves a value across a codebook
+boundary (a tie at float32 rounding). KIVI's arithmetic is elementwise IEEE (divisions `div_rn`,
+round half to even), so its codes and fp16 metadata equal the torch path's bit for bit.
+
+Launchers accept CUDA tensors, or CPU tensors under Triton's interpreter (see triton_attention.py).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .reference import check_kivi_encode, check_tq_encode
+
+
+@triton.jit
+def _store_packed(code, row_ptrs, row_ok, BITS: tl.constexpr, NBYTES: tl.constexpr, WIDTH: tl.constexpr):
+    """Pack int32 codes `(ROWS, WIDTH)` LSB-first and store each row's first NBYTES bytes at `row_ptrs (ROWS, 1)`.
+
+    8 codes fill exactly BITS bytes, assembled in one 32-bit word (BITS <= 4); codes past the row's
+    length must be 0, as `pack_bits` pads.
+    """
+    groups = tl.reshape(code, (code.shape[0], WIDTH // 8, 8))
+    word = tl.sum(groups << (tl.arange(0, 8) * BITS)[None, None, :], 2)
+    first = tl.arange(0, WIDTH // 8) * BITS
+    for k in tl.static_range(BITS):
+        byte = first[None, :] + k
+        tl.store(row_ptrs + byte, ((word >> (8 * k)) & 0xFF).to(tl.uint8), mask=row_ok & (byte < NBYTES))
+
+
+@triton.jit
+def _tq_encode_kernel(
+    x_ptr, sx_b, sx_h, sx_t,
+    mean_ptr, inv_ptr, signs_ptr, bounds_ptr,
+    norm_ptr, codes_ptr,
+    H, T, sqrt_d, tiny,
+    D: tl.constexpr, LOG2_D: tl.constexpr, BITS: tl.constexpr, BLOCK_T: tl.constexpr,
+    HAS_MEAN: tl.constexpr, HAS_SCALE: tl.constexpr,
+):
+    pid_bh = tl.program_id(0).to(tl.int64)
+    b, h = pid_bh // H, pid_bh % H
+    toks = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tok_ok = toks < T
+    cols = tl.arange(0, D)
+    x = tl.load(x_ptr + b * sx_b + h * sx_h + toks[:, None] * sx_t + cols[None, :], mask=tok_ok[:, None], other=0.0).to(tl.float32)
+    if HAS_MEAN:
+        x = x - tl.load(mean_ptr + h * D + cols)[None, :]
+    if HAS_SCALE:
+        x = x * tl.load(inv_ptr + h * D + cols)[None, :]
+    norm = tl.sqrt_rn(tl.sum(x * x, 1))
+    # IEEE division (not the GPU's approximate one) so the direction matches torch's to the last bit.
+    y = tl.div_rn(x, tl.maximum(norm, tiny)[:, None]) * tl.load(signs_ptr + h * D + cols)[None, :]
+    # Butterflies of fwht: stage `half` pairs element j with j + half inside blocks of 2·half.
+    for stage in tl.static_range(LOG2_D):
+        half: tl.constexpr = 1 << stage
+        pairs = tl.permute(tl.reshape(y, (BLOCK_T, D // (2 * half), 2, half)), (0, 1, 3, 2))
+        lo, hi = tl.split(pairs)
+        y = tl.reshape(tl.permute(tl.join(lo + hi, lo - hi), (0, 1, 3, 2)), (BLOCK_T, D))
+    y = tl.div_rn(y, tl.zeros_like(y) + sqrt_d)
+    # Code = number of boundaries strictly below y (torch.bucketize, right=False).
+    code = tl.zeros([BLOCK_T, D], tl.int32)
+    for i in tl.static_range((1 << BITS) - 1):
+        code += (y > tl.load(bounds_ptr + i)).to(tl.int32)
+    _store_packed(code, codes_ptr + (pid_bh * T + toks)[:, None] * (D * BITS // 8), tok_ok[:, None], BITS, D * BITS // 8, D)
+    tl.store(norm_ptr + pid_bh * T + toks, norm.to(tl.float16), mask=tok_ok)
+
+
+# True when Triton's interpreter runs the kernels, CPU tensors allowed (see triton_attention.INTERPRETED).
+INTERPRETED = not any(isinstance(f, triton.runtime.JITFunction) for f in (tl.zeros, _tq_encode_kernel))
+
+
+def _check_device(x: torch.Tensor) -> None:
+    if not (x.device.type == "cuda" or (INTERPRETED and x.device.type == "cpu")):
+        raise ValueError(f"Triton kernels need CUDA tensors (or CPU tensors under the interpreter), got {x.device}")
+
+
+def tq_encode(
+    x: torch.Tensor,
+    mean: torch.Tensor | None,
+    inv_scale: torch.Tensor | None,
+    signs: torch.Tensor,
+    boundaries: torch.Tensor,
+    bits: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton `reference.tq_encode`: -> (norm (B, H, T, 1) float16, codes (B, H, T, d·bits/8) uint8)."""
+    check_tq_encode(x, mean, inv_scale, signs, boundaries, bits)
+    _check_device(x)
+    b, h, t, d = x.shape
+    norm = torch.empty((b, h, t, 1), dtype=torch.float16, device=x.device)
+    codes = torch.empty((b, h, t, d * bits // 8), dtype=torch.uint8, device=x.device)
+    if norm.numel() == 0:
+        return norm, codes
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    # On a GPU a (BLOCK_T x d) tile and its butterfly copies stay in registers; the interpreter's cost
+    # is per program, so it takes bigger tiles (the tail masking is exercised either way: 217 tokens).
+    block_t = 64 if INTERPRETED else 16 if d <= 128 else 8
+    signs = signs.contiguous()
+    _tq_encode_kernel[(b * h, triton.cdiv(t, block_t))](
+        x, x.stride(0), x.stride(1), x.stride(2),
+        signs if mean is None else mean.contiguous(), signs if inv_scale is None else inv_scale.contiguous(),
+        signs, boundaries.contiguous(), norm, codes,
+        h, t, math.sqrt(d), torch.finfo(torch.float32).tiny,
+        D=d, LOG2_D=d.bit_length() - 1, BITS=bits, BLOCK_T=block_t,
+        HAS_MEAN=mean is not None, HAS_SCALE=inv_scale is not None,
+    )
+    return norm, codes
+
+
+@triton.jit
+def _affine_meta(lo, hi, BITS: tl.constexpr):
+    """`quantize_affine`'s scale and zero, rounded to the fp16 they are stored in (returned as float32)."""
+    levels = tl.zeros_like(hi) + ((1 << BITS) - 1)
+    scale = tl.maximum(tl.div_rn(hi - lo, levels), 1e-8)
+    return scale.to(tl.float16).to(tl.float32), lo.to(tl.float16).to(tl.float32)
+
+
+@triton.jit
+def _affine_codes(x, lo, scale, BITS: tl.constexpr):
+    """round((x - lo) / scale) half to even, clamped to [0, 2**BITS - 1], as `quantize_affine` (torch.round)."""
+    v = tl.div_rn(x - lo, scale)
+    v = tl.where(v == v, v, 0.0)  # 0/0 of a constant group (its scale rounds to 0 in fp16): code 0, as torch on CPU
+    r = tl.floor(v + 0.5)  # exact here: |v| < 2**5, so v + 0.5 does not round
+    odd = r * 0.5 != tl.floor(r * 0.5)
+    r = tl.where((r - v == 0.5) & odd, r - 1.0, r)
+    return tl.minimum(tl.maximum(r, 0.0), (1 << BITS) - 1).to(tl.int32)
+
+
+@triton.jit
+def _kivi_keys_kernel(
+    x_ptr, sx_b, sx_h, sx_t, codes_ptr, scale_ptr, zero_ptr, H, T,
+    D: tl.constexpr, BITS: tl.constexpr, NBYTES: tl.constexpr, GROUP: tl.constexpr, PER_ROW: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """One token group of one kv head: per-channel min/max over GROUP tokens."""
+    pid_bh = tl.program_id(0).to(tl.int64)
+    b, h = pid_bh // H, pid_bh % H
+    first = tl.program_id(1) * GROUP
+    offs = tl.arange(0, BLOCK_G)
+    toks = first + offs
+    tok_ok = offs < GROUP
+    cols = tl.arange(0, BLOCK_D)
+    ok = tok_ok[:, None] & (cols[None, :] < D)
+    x = tl.load(x_ptr + b * sx_b + h * sx_h + toks[:, None] * sx_t + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+    lo = tl.where(cols < D, tl.min(tl.where(ok, x, float("inf")), 0), 0.0)  # padded channels: 0, not inf - inf
+    hi = tl.where(cols < D, tl.max(tl.where(ok, x, float("-inf")), 0), 0.0)
+    scale, zero = _affine_meta(lo, hi, BITS)
+    code = tl.where(ok, _affine_codes(x, zero[None, :], scale[None, :], BITS), 0)
+    _store_packed(code, codes_ptr + (pid_bh * T + toks)[:, None] * NBYTES, tok_ok[:, None], BITS, NBYTES, BLOCK_D)
+    # Spread layout: channel c of this group goes to row first + c // PER_ROW, column c % PER_ROW.
+    meta = (pid_bh * T + first + cols // PER_ROW) * PER_ROW + cols % PER_ROW
+    tl.store(scale_ptr + meta, scale.to(tl.float16), mask=cols < D)
+    tl.store(zero_ptr + meta, zero.to(tl.float16), mask=cols < D)
+
+
+@triton.jit
+def _kivi_values_kernel(
+    x_ptr, sx_b, sx_h, sx_t, codes_ptr, scale_ptr, zero_ptr, H, T,
+    D: tl.constexpr, BITS: tl.constexpr, NBYTES: tl.constexpr, GROUP: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """BLOCK_T tokens of one kv head: per-token min/max over each group of GROUP channels (any GROUP dividing D)."""
+    pid_bh = tl.program_id(0).to(tl.int64)
+    b, h = pid_bh // H, pid_bh % H
+    toks = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tok_ok = toks < T
+    cols = tl.arange(0, BLOCK_D)
+    ok = tok_ok[:, None] & (cols[None, :] < D)
+    x = tl.load(x_ptr + b * sx_b + h * sx_h + toks[:, None] * sx_t + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+    scale_t = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
+    zero_t = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
+    meta = (pid_bh * T + toks) * (D // GROUP)
+    for g in tl.static_range(D // GROUP):
+        in_group = (cols[None, :] >= g * GROUP) & (cols[None, :] < (g + 1) * GROUP)
+        scale, zero = _affine_meta(tl.min(tl.where(in_group, x, float("inf")), 1), tl.max(tl.where(in_group, x, float("-inf")), 1), BITS)
+        tl.store(scale_ptr + meta + g, scale.to(tl.float16), mask=tok_ok)
+        tl.store(zero_ptr + meta + g, zero.to(tl.float16), mask=tok_ok)
+        scale_t = tl.where(in_group, scale[:, None], scale_t)
+        zero_t = tl.where(in_group, zero[:, None], zero_t)
+    code = tl.where(ok, _affine_codes(x, zero_t, scale_t, BITS), 0)
+    _store_packed(code, codes_ptr + (pid_bh * T + toks)[:, None] * NBYTES, tok_ok[:, None], BITS, NBYTES, BLOCK_D)
+
+
+def kivi_encode(x: torch.Tensor, bits: int, group: int, axis: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Triton `reference.kivi_encode`: -> (codes uint8, scale float16, zero float16)."""
+    check_kivi_encode(x, bits, group, axis)
+    _check_device(x)
+    b, h, t, d = x.shape
+    nbytes = (d * bits + 7) // 8
+    codes = torch.empty((b, h, t, nbytes), dtype=torch.uint8, device=x.device)
+    meta = -(-d // group) if axis == "channel" else d // group
+    # Zeros: the spread layout pads each key group's last row, and the kernels write only real channels.
+    scale = torch.zeros((b, h, t, meta), dtype=torch.float16, device=x.device)
+    zero = torch.zeros_like(scale)
+    if codes.numel() == 0:
+        return codes, scale, zero
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    block_d = max(16, triton.next_power_of_2(d))
+    strides = (x.stride(0), x.stride(1), x.stride(2))
+    if axis == "channel":
+        _kivi_keys_kernel[(b * h, t // group)](
+            x, *strides, codes, scale, zero, h, t,
+            D=d, BITS=bits, NBYTES=nbytes, GROUP=group, PER_ROW=meta, BLOCK_G=triton.next_power_of_2(group), BLOCK_D=block_d,
+        )
+    else:
+        block_t = 64 if INTERPRETED else 16  # as in tq_encode: the interpreter's cost is per program
+        _kivi_values_kernel[(b * h, triton.cdiv(t, block_t))](
+            x, *strides, codes, scale, zero, h, t, D=d, BITS=bits, NBYTES=nbytes, GROUP=group, BLOCK_T=block_t, BLOCK_D=block_d,
+        )
+    return codes, scale, zero

@@ -1,0 +1,390 @@
+"""kvpack's custom ops: the torch references against dense math and the codecs, bounded temporaries,
+backend dispatch and fallbacks, and registration (`opcheck`, `torch.compile(fullgraph=True)`).
+
+The input builders here are shared with test_triton_kernels.py (which imports them).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported (when this module runs first): Triton kernels run on CPU tensors
+
+import warnings
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from kvpack.codecs.base import group_query, ungroup
+from kvpack.codecs.int8 import Int8Codec, Int8Config, Int8Packed
+from kvpack.codecs.kivi import KiviCodec, KiviConfig, KiviPacked
+from kvpack.codecs.turboquant import TurboQuantCodec, TurboQuantConfig
+from kvpack.kernels import cpu_lut, ops, reference
+from kvpack.primitives.lloyd_max import lloyd_max_codebook
+from kvpack.primitives.packing import pack_bits, unpack_bits
+
+B, H, T = 3, 2, 217
+# Codebooks are the closed-form Gaussian ones: the exact Beta solve costs ~0.1 s per (d, bits) and the
+# ops do not depend on which table they read.
+PAD = 100  # batch row 1 is left-padded: its first PAD tokens are masked
+
+
+# -- shared input builders ---------------------------------------------------------------------------
+def make_bias(b: int, q_len: int, t: int, masked_row: int | None = None) -> torch.Tensor:
+    """`(b, 1, q_len, t)` float32 additive mask: row 1 left-padded by PAD tokens; with q_len > 1 also
+    causal (query i sees tokens <= t - q_len + i); `masked_row` masks a whole batch row."""
+    bias = torch.zeros(b, 1, q_len, t)
+    bias[1, :, :, :PAD] = float("-inf")
+    if q_len > 1:
+        causal = torch.arange(t)[None, :] > (t - q_len + torch.arange(q_len))[:, None]
+        bias = bias.masked_fill(causal, float("-inf"))
+    if masked_row is not None:
+        bias[masked_row] = float("-inf")
+    return bias
+
+
+def tq_inputs(d: int, rows: int, k_bits: int, v_bits: int, t: int = T, seed: int = 0) -> dict:
+    """Random TurboQuant segment + rotated queries, keyword arguments of `tq_attention` (no bias)."""
+    gen = torch.Generator().manual_seed(seed)
+    return dict(
+        q_rot=torch.randn(B, H, rows, d, generator=gen) * 2,
+        k_codes=pack_bits(torch.randint(0, 2**k_bits, (B, H, t, d), generator=gen), k_bits),
+        k_norm=(torch.rand(B, H, t, 1, generator=gen) * 3 + 0.1).half(),
+        k_centroids=lloyd_max_codebook(d, k_bits, "gaussian").centroids,
+        k_bits=k_bits,
+        v_codes=pack_bits(torch.randint(0, 2**v_bits, (B, H, t, d), generator=gen), v_bits),
+        v_norm=(torch.rand(B, H, t, 1, generator=gen) * 3 + 0.1).half(),
+        v_centroids=lloyd_max_codebook(d, v_bits, "gaussian").centroids,
+        v_bits=v_bits,
+        d=d,
+        scale=d**-0.5,
+    )
+
+
+def int8_inputs(d: int, rows: int, t: int = T, seed: int = 0) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    codec = Int8Codec(Int8Config(), d, H)
+    k, v = codec.encode(torch.randn(B, H, t, d, generator=gen)), codec.encode(torch.randn(B, H, t, d, generator=gen))
+    return dict(q=torch.randn(B, H, rows, d, generator=gen), k_codes=k.codes, k_scale=k.scale, v_codes=v.codes, v_scale=v.scale, scale=d**-0.5)
+
+
+def kivi_inputs(d: int, rows: int, k_bits: int, v_bits: int, v_group: int = 32, t: int = 224, seed: int = 0) -> dict:
+    """KIVI keys (per channel, groups of 32 tokens: t a multiple of 32) and values, encoded by the codec."""
+    gen = torch.Generator().manual_seed(seed)
+    kc = KiviCodec(KiviConfig(k_bits, "channel", 32), d, H)
+    vc = KiviCodec(KiviConfig(v_bits, "token", v_group), d, H)
+    k = kc.encode(torch.randn(B, H, t, d, generator=gen) + torch.linspace(-2, 2, d))  # per-channel offsets, as real keys
+    v = vc.encode(torch.randn(B, H, t, d, generator=gen))
+    return dict(q=torch.randn(B, H, rows, d, generator=gen), k_codes=k.codes, k_scale=k.scale, k_zero=k.zero, k_bits=k_bits,
+                k_group=32, v_codes=v.codes, v_scale=v.scale, v_zero=v.zero, v_bits=v_bits, v_group=vc.group, scale=d**-0.5)
+
+
+def dense_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, bias=None, row_offset=None, softcap=0.0):
+    """Unchunked float64 partial softmax over decoded `k (B, H, T, d)`, `v (B, H, T, dv)`."""
+    s = q.double() @ k.double().mT
+    if row_offset is not None:
+        s = s + row_offset.double()
+    s = s * scale
+    if softcap:
+        s = torch.tanh(s / softcap) * softcap
+    if bias is not None:
+        s = s + bias.double().repeat(1, 1, q.shape[2] // bias.shape[2], 1)
+    m = s.amax(-1, keepdim=True)
+    m = m.masked_fill(m == float("-inf"), 0.0)
+    p = torch.exp(s - m)
+    return m, p.sum(-1, keepdim=True), p @ v.double()
+
+
+def assert_partial_close(actual, expected, rtol: float = 1e-5) -> None:
+    for name, a, e in zip("mlo", actual, expected, strict=True):
+        torch.testing.assert_close(a.double(), e.double(), rtol=rtol, atol=rtol * float(e.abs().max()), msg=lambda m, n=name: f"{n}: {m}")
+
+
+def tq_decode(codes, norm, centroids, bits: int, d: int) -> torch.Tensor:
+    return norm.float() * centroids[unpack_bits(codes, bits, d).long()]
+
+
+# -- references against dense math -------------------------------------------------------------------
+@pytest.fixture
+def small_chunk(monkeypatch):
+    """Chunks of 32 tokens, so 217 tokens take 7 chunks with a ragged last one."""
+    monkeypatch.setattr(reference, "TOKEN_CHUNK", 32)
+
+
+@pytest.mark.parametrize("d,group,q_len", [(64, 1, 1), (96, 7, 1), (128, 4, 3)])
+def test_tq_reference_matches_dense(small_chunk, d, group, q_len):
+    x = tq_inputs(d, group * q_len, 3, 2)
+    bias, offset = make_bias(B, q_len, T, masked_row=2), torch.randn(B, H, group * q_len, 1)
+    got = reference.tq_attention(**x, row_offset=offset, bias=bias, softcap=30.0)
+    k = tq_decode(x["k_codes"], x["k_norm"], x["k_centroids"], 3, d)
+    v = tq_decode(x["v_codes"], x["v_norm"], x["v_centroids"], 2, d)
+    assert_partial_close(got, dense_partial(x["q_rot"], k, v, x["scale"], bias, offset, 30.0))
+    assert not any(t[2].any() for t in got)  # batch row 2 is fully masked: m = l = o = 0
+
+
+def test_int8_and_kivi_references_match_dense(small_chunk):
+    x = int8_inputs(80, 4)
+    bias = make_bias(B, 1, T)
+    k, v = x["k_codes"].float() * x["k_scale"].float(), x["v_codes"].float() * x["v_scale"].float()
+    assert_partial_close(reference.int8_attention(**x, bias=bias), dense_partial(x["q"], k, v, x["scale"], bias))
+    y = kivi_inputs(80, 4, 2, 4, v_group=16)
+    kc, vc = KiviCodec(KiviConfig(2, "channel", 32), 80, H), KiviCodec(KiviConfig(4, "token", 16), 80, H)
+    k = kc.decode(KiviPacked(224, y["k_codes"], y["k_scale"], y["k_zero"]))
+    v = vc.decode(KiviPacked(224, y["v_codes"], y["v_scale"], y["v_zero"]))
+    bias = make_bias(B, 1, 224)
+    assert_partial_close(reference.kivi_attention(**y, bias=bias), dense_partial(y["q"], k, v, y["scale"], bias))
+
+
+def test_references_bound_temporaries(small_chunk):
+    """No float tensor created while attending or encoding exceeds B·H·chunk·max(d, R) elements: never
+    a whole segment's (T, d)."""
+
+    class LargestFloat(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.largest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor) and t.dtype.is_floating_point:
+                    self.largest = max(self.largest, t.numel())
+            return out
+
+    d, rows = 64, 7
+    bound = B * H * 32 * max(d, rows)
+    x, y, z = tq_inputs(d, rows, 3, 3), int8_inputs(d, rows), kivi_inputs(d, rows, 2, 4)
+    xs = torch.randn(B, H, 224, d)
+    signs, bounds = torch.ones(H, d), lloyd_max_codebook(d, 3, "gaussian").boundaries
+    for run in (
+        lambda: reference.tq_attention(**x, bias=make_bias(B, 1, T)),
+        lambda: reference.int8_attention(**y),
+        lambda: reference.kivi_attention(**z),
+        lambda: reference.tq_encode(xs, None, None, signs, bounds, 3),
+        lambda: reference.kivi_encode(xs, 2, 32, "channel"),
+        lambda: reference.kivi_encode(xs, 4, 32, "token"),
+    ):
+        with LargestFloat() as mode:
+            run()
+        assert 0 < mode.largest <= bound < B * H * T * d, f"largest float temporary {mode.largest} > bound {bound}"
+
+
+def test_empty_segment_is_fully_masked():
+    x = tq_inputs(64, 4, 2, 2, t=8)
+    x.update({name: x[name][:, :, :0] for name in ("k_codes", "k_norm", "v_codes", "v_norm")})
+    m, denom, o = ops.tq_attention(**x)
+    assert m.shape == (B, H, 4, 1) and o.shape == (B, H, 4, 64)
+    assert not m.any() and not denom.any() and not o.any()
+
+
+# -- references against the codecs ----------------------------------------------------------------------
+def test_tq_attention_matches_codec():
+    """Wiring the op into a centered, channel-scaled TurboQuant codec reproduces its scores and weighted
+    sums: q_rot = Π(q ⊙ σ), row_offset = q·μ, output unrotated, ⊙ σ, + μ·l."""
+    d, group, q_len = 64, 4, 2
+    gen = torch.Generator().manual_seed(1)
+    k_codec = TurboQuantCodec(TurboQuantConfig(bits=3, codebook="gaussian", center=True, channel_scale=0.5), d, H)
+    v_codec = TurboQuantCodec(TurboQuantConfig(bits=2, codebook="gaussian"), d, H)
+    keys, values = torch.randn(B, H, T, d, generator=gen) + 1, torch.randn(B, H, T, d, generator=gen)
+    kp, vp = k_codec.encode(keys), v_codec.encode(values)
+    query = torch.randn(B, H * group, q_len, d, generator=gen)
+    scaling, bias = d**-0.5, make_bias(B, q_len, T)
+
+    q = group_query(query, H)
+    q_rot = k_codec._rotate(q * k_codec._scale(q.device))
+    offset = q @ k_codec._mean(q.device).mT
+    _, denom, o = ops.tq_attention(
+        q_rot, kp.codes, kp.norm, k_codec.codebook.centroids, 3, vp.codes, vp.norm, v_codec.codebook.centroids, 2, d, scaling, offset, bias
+    )
+    out = ungroup(v_codec._unrotate(o) / denom, H * group)
+
+    s = k_codec.scores(query, kp) * scaling + bias
+    p = torch.softmax(s, -1)
+    torch.testing.assert_close(out, v_codec.weighted_sum(p, vp), rtol=1e-4, atol=1e-5)
+
+
+def test_int8_and_kivi_attention_match_codecs():
+    i8, kv = int8_inputs(64, 3), kivi_inputs(64, 3, 2, 4)
+    for name, x, k_codec, v_codec, kp, vp, t in (
+        ("int8", i8, Int8Codec(Int8Config(), 64, H), Int8Codec(Int8Config(), 64, H),
+         Int8Packed(T, i8["k_codes"], i8["k_scale"]), Int8Packed(T, i8["v_codes"], i8["v_scale"]), T),
+        ("kivi", kv, KiviCodec(KiviConfig(2, "channel"), 64, H), KiviCodec(KiviConfig(4, "token"), 64, H),
+         KiviPacked(224, kv["k_codes"], kv["k_scale"], kv["k_zero"]), KiviPacked(224, kv["v_codes"], kv["v_scale"], kv["v_zero"]), 224),
+    ):
+        query = ungroup(x["q"], 3 * H)
+        bias = make_bias(B, 1, t)
+        _, denom, o = getattr(ops, f"{name}_attention")(**x, bias=bias)
+        p = torch.softmax(k_codec.scores(query, kp) * x["scale"] + bias, -1)
+        torch.testing.assert_close(ungroup(o / denom, 3 * H), v_codec.weighted_sum(p, vp), rtol=1e-4, atol=1e-5, msg=name)
+
+
+def near_boundary(y: torch.Tensor, boundaries: torch.Tensor, tol: float = 1e-6) -> torch.Tensor:
+    """Elements of `y` within `tol` of a codebook boundary: float32 rounding may put them in either cell."""
+    return (y.unsqueeze(-1) - boundaries).abs().amin(-1) < tol
+
+
+def assert_norms_equal_except_ties(norm: torch.Tensor, expected: torch.Tensor) -> None:
+    """fp16 norms equal, except a float32 norm on an fp16 rounding midpoint (then one ulp apart)."""
+    ulp_apart = (norm.float() - expected.float()).abs() <= torch.finfo(torch.float16).eps * expected.float().abs()
+    assert ((norm == expected) | ulp_apart).all() and (norm != expected).float().mean() < 1e-3
+
+
+def assert_codes_equal_except_ties(codes, expected, y, boundaries, bits: int) -> None:
+    """Packed codes equal, except elements within float rounding of a boundary (one level apart)."""
+    d = y.shape[-1]
+    got, want = unpack_bits(codes, bits, d).long(), unpack_bits(expected, bits, d).long()
+    ties = near_boundary(y, boundaries)
+    assert ties.float().mean() < 1e-3, "too many near-ties for an exactness test"
+    assert ((got == want) | (ties & ((got - want).abs() == 1))).all(), f"{int((got != want).sum())} codes differ"
+    clean_rows = ~ties.any(-1)  # rows without a tie must match byte for byte
+    assert torch.equal(codes[clean_rows], expected[clean_rows])
+
+
+def test_tq_encode_matches_codec():
+    """The op with the codec's fitted state reproduces `TurboQuantCodec.encode` (x ⊙ 1/σ vs x / σ can
+    only move values that sit on a boundary)."""
+    d, bits = 128, 3
+    codec = TurboQuantCodec(TurboQuantConfig(bits=bits, codebook="gaussian", center=True, channel_scale=0.5), d, H)
+    x = torch.randn(B, H, T, d, generator=torch.Generator().manual_seed(2)) * 3 + 1
+    codec.fit(x)
+    x[0, 1, 7] = codec.mean[1]  # a vector that centers to zero: norm 0, direction 0
+    packed = codec.encode(x)
+    signs = codec._hadamard_signs(x.device)[:, 0]
+    args = (x, codec.mean, 1 / codec.scale, signs, codec.codebook.boundaries, bits)
+    norm, codes = ops.tq_encode(*args)
+    assert norm[0, 1, 7].item() == 0
+    assert_norms_equal_except_ties(norm, packed.norm)
+    _, y = reference.tq_rotated_unit(*args[:4])
+    assert_codes_equal_except_ties(codes, packed.codes, y, codec.codebook.boundaries, bits)
+
+
+@pytest.mark.parametrize("axis,group,bits", [("channel", 32, 2), ("token", 16, 4)])
+def test_kivi_encode_matches_codec(axis, group, bits):
+    x = torch.randn(B, H, 64, 80, generator=torch.Generator().manual_seed(3)) + torch.linspace(-2, 2, 80)
+    packed = KiviCodec(KiviConfig(bits, axis, group), 80, H).encode(x)
+    for got, want in zip(ops.kivi_encode(x, bits, group, axis), (packed.codes, packed.scale, packed.zero), strict=True):
+        assert torch.equal(got, want)
+
+
+# -- dispatch --------------------------------------------------------------------------------------------
+@pytest.fixture
+def fresh_dispatch(monkeypatch):
+    """Backend override cleared and warnings re-armed, restored afterwards."""
+    monkeypatch.setattr(ops, "_override", None)
+    monkeypatch.setattr(ops, "_warned", set())
+    monkeypatch.delenv("KVPACK_BACKEND", raising=False)
+    yield monkeypatch
+    ops.set_backend(None)
+
+
+def test_backend_choice_is_validated(fresh_dispatch):
+    assert ops.get_backend() is ops.Backend.AUTO
+    fresh_dispatch.setenv("KVPACK_BACKEND", "Torch")
+    assert ops.get_backend() is ops.Backend.TORCH
+    fresh_dispatch.setenv("KVPACK_BACKEND", "cuda")
+    with pytest.raises(ValueError, match=r"KVPACK_BACKEND must be one of \('auto', 'torch', 'cpu', 'triton'\)"):
+        ops.get_backend()
+    ops.set_backend("cpu")  # an explicit choice wins over the environment
+    assert ops.get_backend() is ops.Backend.CPU
+    with pytest.raises(ValueError, match="backend must be one of"):
+        ops.set_backend("gpu")
+
+
+def test_cpu_dispatch_prefers_the_cpp_kernel(fresh_dispatch):
+    cpu = torch.device("cpu")
+    fresh_dispatch.delattr(cpu_lut, "tq_attention", raising=False)
+    assert ops.implementation("tq_attention", cpu) is reference.tq_attention  # no C++ kernel
+    fake_kernel = functools.wraps(reference.tq_attention)(lambda *args: None)  # the op's parameters
+    fresh_dispatch.setattr(cpu_lut, "tq_attention", fake_kernel, raising=False)
+    fresh_dispatch.setattr(cpu_lut, "available", lambda: True)
+    assert ops.implementation("tq_attention", cpu) is fake_kernel
+    ops.set_backend("torch")
+    assert ops.implementation("tq_attention", cpu) is reference.tq_attention
+    fresh_dispatch.setattr(cpu_lut, "available", lambda: False)  # a failed build: the reference, silently under auto
+    ops.set_backend("auto")
+    assert ops.implementation("tq_attention", cpu) is reference.tq_attention
+
+
+def test_cpu_kernel_with_other_parameters_is_not_called(fresh_dispatch):
+    def other_order(q_rot, row_offset, k_codes, k_norm, k_cent, k_bits, v_codes, v_norm, v_cent, v_bits, scale):
+        raise AssertionError("called with the op's arguments in the wrong places")
+
+    fresh_dispatch.setattr(cpu_lut, "tq_attention", other_order, raising=False)
+    fresh_dispatch.setattr(cpu_lut, "available", lambda: True)
+    with pytest.warns(RuntimeWarning, match=r"cpu_lut.tq_attention\(.*\) does not take the op's arguments"):
+        assert ops.implementation("tq_attention", torch.device("cpu")) is reference.tq_attention
+
+
+def test_fallbacks_warn_once(fresh_dispatch):
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    fresh_dispatch.delattr(cpu_lut, "int8_attention", raising=False)
+    ops.set_backend("cpu")
+    with pytest.warns(RuntimeWarning, match="no C\\+\\+ kernel for int8_attention"):
+        assert ops.implementation("int8_attention", cpu) is reference.int8_attention
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the second call is silent
+        ops.implementation("int8_attention", cpu)
+    ops.set_backend("triton")
+    fresh_dispatch.setattr(ops, "triton_available", lambda: False)
+    with pytest.warns(RuntimeWarning, match="Triton is not installed"):
+        assert ops.implementation("tq_encode", cuda) is reference.tq_encode
+    fresh_dispatch.delenv("TRITON_INTERPRET")
+    with pytest.warns(RuntimeWarning, match="runs CUDA tensors"):
+        assert ops.implementation("tq_encode", cpu) is reference.tq_encode
+
+
+def test_triton_backend_runs_the_interpreter_on_cpu(fresh_dispatch):
+    pytest.importorskip("triton", reason="Triton not installed: the interpreter path cannot run")
+    from kvpack.kernels import triton_attention
+
+    if not triton_attention.INTERPRETED:  # the kernels themselves are covered by test_triton_kernels.py
+        pytest.skip("triton was imported before TRITON_INTERPRET=1 was set (whole-suite run): no interpreter in this process")
+    ops.set_backend("triton")
+    x = int8_inputs(64, 4, t=40)
+    fn = ops.implementation("int8_attention", torch.device("cpu"))
+    assert fn.__module__.endswith("triton_attention")
+    assert_partial_close(ops.int8_attention(**x), reference.int8_attention(**x))
+
+
+def test_run_triton_on_cpu_needs_the_interpreter(monkeypatch):
+    pytest.importorskip("triton", reason="Triton not installed")
+    from kvpack.kernels import triton_attention
+
+    monkeypatch.setattr(triton_attention, "INTERPRETED", False)  # as if triton was imported without TRITON_INTERPRET=1
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1 before triton is first imported"):
+        ops.run_triton("int8_attention", **int8_inputs(64, 1, t=8))
+
+
+# -- registration ------------------------------------------------------------------------------------------
+def _op_samples():
+    x = tq_inputs(64, 4, 3, 2, t=40)
+    tq = (*x.values(), torch.randn(B, H, 4, 1), make_bias(B, 1, 40), 20.0)
+    i8 = tuple(int8_inputs(64, 4, t=40).values()) + (make_bias(B, 1, 40),)
+    kv = tuple(kivi_inputs(64, 4, 2, 4, t=64).values())
+    enc = (torch.randn(B, H, 40, 64), torch.randn(H, 64), torch.rand(H, 64) + 0.5, torch.ones(H, 64), lloyd_max_codebook(64, 3, "gaussian").boundaries, 3)
+    kenc = (torch.randn(B, H, 64, 80), 2, 32, "channel")
+    return {"tq_attention": tq, "int8_attention": i8, "kivi_attention": kv, "tq_encode": enc, "kivi_encode": kenc}
+
+
+@pytest.mark.parametrize("op", ["tq_attention", "int8_attention", "kivi_attention", "tq_encode", "kivi_encode"])
+def test_opcheck(op):
+    torch.library.opcheck(getattr(torch.ops.kvpack, op).default, _op_samples()[op])
+
+
+def test_torch_compile_fullgraph():
+    samples = _op_samples()
+
+    def step(tq, i8, kv, enc, kenc):
+        _, denom, o = torch.ops.kvpack.tq_attention(*tq)
+        _, denom2, o2 = torch.ops.kvpack.int8_attention(*i8)
+        _, l3, _ = torch.ops.kvpack.kivi_attention(*kv)
+        norm, codes = torch.ops.kvpack.tq_encode(*enc)
+        kcodes, kscale, _ = torch.ops.kvpack.kivi_encode(*kenc)
+        return o / denom + o2 / denom2, l3, norm.float().sum() + codes.sum(), kcodes.sum() + kscale.float().sum()
+
+    args = tuple(samples[op] for op in ("tq_attention", "int8_attention", "kivi_attention", "tq_encode", "kivi_encode"))
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")  # Dynamo + fake tensors, no C++ codegen
+    for got, want in zip(compiled(*args), step(*args), strict=True):
+        torch.testing.assert_close(got, want, equal_nan=True)  # batch row 1 is fully masked: 0 / 0

@@ -1,0 +1,186 @@
+"""Triton kernels against the pure-torch references, run by Triton's interpreter on CPU tensors.
+
+Float outputs (m, denom, o): the kernel's max error against the float32 reference must be at most twice
+the error of the same reference computed in float16 (flash-attention's criterion). Integer outputs
+(packed codes, fp16 norms and scales) are equal: KIVI's bit for bit, TurboQuant's except values
+within float32 rounding of a codebook boundary.
+Sizes are the awkward ones: 217 tokens (224 for KIVI keys, whole groups of 32), head dims
+64/80/96/128/256, GQA groups 1/4/7, multi-token queries up to 63 rows, batch 3 with a left-padded
+row, splits of the sequence that are entirely padding. When triton was imported before this module
+could turn the interpreter on (a whole-suite run), the tests run in a fresh process instead.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: kernels run on CPU tensors
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+try:
+    import triton  # noqa: F401
+except ImportError as e:  # CI installs triton and sets KVPACK_REQUIRE_TRITON=1: there a missing one fails
+    if os.environ.get("KVPACK_REQUIRE_TRITON") == "1":
+        raise RuntimeError(f"KVPACK_REQUIRE_TRITON=1 but triton does not import: {e}") from e
+    pytest.skip(f"triton does not import ({e}); pip install 'kvpack[triton]'", allow_module_level=True)
+
+from kvpack.kernels import reference, triton_attention
+from kvpack.kernels.ops import run_triton
+from kvpack.primitives.lloyd_max import lloyd_max_codebook
+from test_ops import (
+    B,
+    H,
+    T,
+    assert_codes_equal_except_ties,
+    assert_norms_equal_except_ties,
+    int8_inputs,
+    kivi_inputs,
+    make_bias,
+    tq_inputs,
+)
+
+# Triton chooses the interpreter when `triton` is first imported. In a whole-suite run it already was,
+# without it (`import kvpack` -> transformers -> hqq -> torch.compile imports triton), so this module's
+# tests then run in a fresh process that has TRITON_INTERPRET=1 from the start.
+IN_PROCESS = triton_attention.INTERPRETED
+in_process = pytest.mark.skipif(not IN_PROCESS, reason="triton was imported without the interpreter: run by test_in_a_fresh_process")
+
+
+@pytest.mark.skipif(IN_PROCESS, reason="the interpreter is active in this process")
+def test_in_a_fresh_process():
+    assert os.environ.get("KVPACK_FRESH_TRITON_PROCESS") != "1", "the interpreter is off even in a fresh process with TRITON_INTERPRET=1"
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__).resolve())]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "KVPACK_FRESH_TRITON_PROCESS": "1"}
+    run = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, f"{' '.join(cmd)} failed:\n{run.stdout[-6000:]}\n{run.stderr[-2000:]}"
+
+
+def assert_within_low_precision(op: str, kernel_out, args: dict) -> None:
+    """Kernel error <= 2x the float16 reference's error, both against the float32 reference."""
+    exact = getattr(reference, op)(**args)
+    low = getattr(reference, op)(**args, compute_dtype=torch.float16)
+    for name, k, e, lo in zip("mlo", kernel_out, exact, low, strict=True):
+        assert k.shape == e.shape and k.dtype == torch.float32
+        assert torch.isfinite(k).all(), f"{name} has non-finite values"
+        err, base = (k - e).abs().max().item(), (lo - e).abs().max().item()
+        assert err <= 2 * base, f"{name}: kernel error {err:.3g} > 2 x float16 reference error {base:.3g}"
+
+
+# -- TurboQuant attention -----------------------------------------------------------------------------
+TQ_CASES = [  # head_dim, GQA group, query tokens, key bits, value bits, splits
+    (64, 1, 1, 2, 2, 1),
+    (80, 4, 1, 3, 3, 4),
+    (96, 7, 1, 4, 2, 2),
+    (128, 4, 5, 3, 4, 1),  # 20 rows with a causal mask
+    (256, 1, 1, 4, 3, 4),
+    (128, 7, 9, 2, 3, 2),  # 63 rows: speculative verification / prefill continuation sizes
+]
+
+
+@in_process
+@pytest.mark.parametrize("d,group,q_len,k_bits,v_bits,splits", TQ_CASES, ids=[f"d{c[0]}-g{c[1]}-q{c[2]}-k{c[3]}v{c[4]}-s{c[5]}" for c in TQ_CASES])
+def test_tq_attention(d, group, q_len, k_bits, v_bits, splits):
+    args = tq_inputs(d, group * q_len, k_bits, v_bits) | {"bias": make_bias(B, q_len, T)}
+    assert_within_low_precision("tq_attention", run_triton("tq_attention", **args, num_splits=splits), args)
+
+
+@in_process
+def test_tq_attention_offset_softcap_strided_and_masked_rows():
+    """Row offsets, softcap, codes read through token-narrowed views of a larger buffer (no copy), a
+    batch row masked entirely (m = l = o = 0) and a split that is all padding (4 splits of 64 < PAD)."""
+    d, rows = 96, 4
+    args = tq_inputs(d, rows, 3, 3, t=T + 40)
+    for name in ("k_codes", "k_norm", "v_codes", "v_norm"):
+        args[name] = args[name][:, :, 13 : 13 + T]
+    assert not args["k_codes"].is_contiguous()
+    args |= {"row_offset": torch.randn(B, H, rows, 1), "bias": make_bias(B, 1, T, masked_row=2), "softcap": 5.0}
+    m, denom, o = out = run_triton("tq_attention", **args, num_splits=4)
+    assert_within_low_precision("tq_attention", out, args)
+    assert not m[2].any() and not denom[2].any() and not o[2].any()
+
+
+@in_process
+def test_empty_segment():
+    args = tq_inputs(64, 4, 2, 2, t=8)
+    args |= {name: args[name][:, :, :0] for name in ("k_codes", "k_norm", "v_codes", "v_norm")}
+    m, denom, o = run_triton("tq_attention", **args)
+    assert o.shape == (B, H, 4, 64) and not m.any() and not denom.any() and not o.any()
+
+
+# -- int8 and KIVI attention --------------------------------------------------------------------------------
+INT8_CASES = [(64, 1, 1, 1), (80, 4, 1, 3), (96, 7, 1, 2), (128, 4, 5, 1), (256, 4, 1, 4)]  # d, group, q_len, splits
+
+
+@in_process
+@pytest.mark.parametrize("d,group,q_len,splits", INT8_CASES, ids=[f"d{c[0]}-g{c[1]}-q{c[2]}-s{c[3]}" for c in INT8_CASES])
+def test_int8_attention(d, group, q_len, splits):
+    args = int8_inputs(d, group * q_len) | {"bias": make_bias(B, q_len, T)}
+    assert_within_low_precision("int8_attention", run_triton("int8_attention", **args, num_splits=splits), args)
+
+
+KIVI_CASES = [  # d, group, q_len, key bits, value bits, value group, splits
+    (64, 1, 1, 2, 2, 32, 1),
+    (80, 4, 1, 4, 2, 16, 2),  # 80 channels: spread key scales padded to 3 x 32, value groups of 16
+    (96, 7, 1, 2, 4, 32, 4),
+    (128, 4, 3, 4, 4, 32, 1),
+]
+
+
+@in_process
+@pytest.mark.parametrize("d,group,q_len,k_bits,v_bits,v_group,splits", KIVI_CASES, ids=[f"d{c[0]}-g{c[1]}-q{c[2]}-k{c[3]}v{c[4]}-s{c[6]}" for c in KIVI_CASES])
+def test_kivi_attention(d, group, q_len, k_bits, v_bits, v_group, splits):
+    args = kivi_inputs(d, group * q_len, k_bits, v_bits, v_group) | {"bias": make_bias(B, q_len, 224)}
+    assert_within_low_precision("kivi_attention", run_triton("kivi_attention", **args, num_splits=splits), args)
+
+
+# -- TurboQuant encode ----------------------------------------------------------------------------------
+ENCODE_CASES = [(64, 2, True), (64, 3, False), (128, 4, True), (128, 3, True), (256, 2, False), (256, 4, True)]  # d, bits, center+scale
+
+
+@in_process
+@pytest.mark.parametrize("d,bits,fitted", ENCODE_CASES, ids=[f"d{c[0]}-b{c[1]}{'-fitted' if c[2] else ''}" for c in ENCODE_CASES])
+def test_tq_encode(d, bits, fitted):
+    gen = torch.Generator().manual_seed(d + bits)
+    x = (torch.randn(B, H, T, d, generator=gen) * 2 + 0.5).to(torch.bfloat16 if d == 256 and not fitted else torch.float32)  # bf16 in, as models cache
+    mean = torch.randn(H, d, generator=gen) if fitted else None
+    inv_scale = torch.rand(H, d, generator=gen) + 0.5 if fitted else None
+    x[1, 0, 3] = 0 if mean is None else mean[0]  # a vector that centers to zero: norm 0, direction 0
+    signs = (torch.randint(0, 2, (H, d), generator=gen) * 2 - 1).float()
+    boundaries = lloyd_max_codebook(d, bits, "gaussian").boundaries
+    args = (x, mean, inv_scale, signs, boundaries, bits)
+    norm, codes = run_triton("tq_encode", *args)
+    ref_norm, ref_codes = reference.tq_encode(*args)
+    assert norm.dtype == torch.float16 and codes.dtype == torch.uint8 and codes.shape == ref_codes.shape
+    assert norm[1, 0, 3].item() == 0
+    assert_norms_equal_except_ties(norm, ref_norm)
+    _, y = reference.tq_rotated_unit(*args[:4])
+    assert_codes_equal_except_ties(codes, ref_codes, y, boundaries, bits)
+
+
+
+# -- KIVI encode --------------------------------------------------------------------------------------------
+KIVI_ENCODE_CASES = [(64, 2, "channel", 32), (80, 4, "channel", 32), (96, 2, "token", 32), (80, 4, "token", 16), (96, 4, "token", 24)]
+
+
+# Constant groups store scale 0 (1e-8 rounds to 0 in fp16) and divide by it, as torch does: the
+# interpreter's numpy reports the 0/0 and x/0 (and inf - inf in the rounding).
+@in_process
+@pytest.mark.filterwarnings("ignore:divide by zero encountered:RuntimeWarning", "ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize("d,bits,axis,group", KIVI_ENCODE_CASES, ids=[f"d{c[0]}-b{c[1]}-{c[2]}{c[3]}" for c in KIVI_ENCODE_CASES])
+def test_kivi_encode(d, bits, axis, group):
+    """Bit-exact codes, scales and zeros; constant groups and padded spread rows included."""
+    gen = torch.Generator().manual_seed(d + bits)
+    x = torch.randn(B, H, 224, d, generator=gen) * 2 + torch.linspace(-3, 3, d)
+    x[0, 0, :32, 5] = 1.5  # constant key groups: x - zero is 0 (0/0 -> code 0) ...
+    x[0, 0, 32:64, 6] = 0.1  # ... or, zero rounded to fp16, a tiny positive (x/0 = inf -> top code)
+    x[0, 1, 7] = 0.25  # a constant value token
+    got = run_triton("kivi_encode", x, bits, group, axis)
+    for name, g, want in zip(("codes", "scale", "zero"), got, reference.kivi_encode(x, bits, group, axis), strict=True):
+        assert g.dtype == want.dtype and torch.equal(g, want), f"{name}: {int((g != want).sum())} entries differ"
