@@ -370,7 +370,9 @@ def _op_samples():
 
 @pytest.mark.parametrize("op", ["tq_attention", "int8_attention", "kivi_attention", "tq_encode", "kivi_encode"])
 def test_opcheck(op):
-    torch.library.opcheck(getattr(torch.ops.kvpack, op).default, _op_samples()[op])
+    # opcheck raises on a failure; the result names each check and says whether it passed.
+    results = torch.library.opcheck(getattr(torch.ops.kvpack, op).default, _op_samples()[op])
+    assert results and all(v == "SUCCESS" for v in results.values()), results
 
 
 def test_torch_compile_fullgraph():
