@@ -117,6 +117,19 @@ class Codec(ABC):
         """Learn data-dependent state from `x: (batch, kv_heads, tokens, head_dim)`; default none."""
         return None
 
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Fitted, data-dependent state (PCA bases, codebooks, channel statistics), for saving a cache.
+
+        Only what `fit` (or a first encode) learned from data; state regenerated from the config and
+        seed (rotations, sketches) is left out. Default: none.
+        """
+        return {}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore what `state_dict` returned (tensors on any device; the codec moves them)."""
+        if state:
+            raise ValueError(f"codec {self.name!r} keeps no fitted state, got {sorted(state)}")
+
     def state_nbytes(self) -> int:
         """Bytes of tensors the codec itself holds (bases, codebooks, rotations)."""
         return sum(t.numel() * t.element_size() for t in vars(self).values() if isinstance(t, torch.Tensor))
