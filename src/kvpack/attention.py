@@ -13,7 +13,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from . import kernels
-from .cache.layer import KVPackLayer
+from .cache.layer import PENDING, KVPackLayer
 from .codecs.base import group_query, ungroup
 from .kernels import fused
 
@@ -168,7 +168,14 @@ def kvpack_attention_forward(module, query, key, value, attention_mask, dropout:
     """
     layer = getattr(key, "_kvpack_layer", None)
     if layer is None:
+        _check_untagged(module)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    PENDING.layer = None
+    if _attentions_requested():
+        raise ValueError(
+            "output_attentions=True: kvpack's attention runs on the compressed cache and never builds the attention "
+            "weights; call kvpack.disable(model) to get them (attention then runs over the dequantized cache)"
+        )
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
     layer.set_positions(kwargs.get("position_ids"), query.shape[2])
     out = None
@@ -180,6 +187,29 @@ def kvpack_attention_forward(module, query, key, value, attention_mask, dropout:
     return out.to(query.dtype).transpose(1, 2).contiguous(), None
 
 
+def _check_untagged(module) -> None:
+    """Refuse to run SDPA over the new tokens only when a kvpack layer's update is waiting for this attention."""
+    pending = getattr(PENDING, "layer", None)
+    if pending is not None and pending.pending_attention and pending.layer_idx == getattr(module, "layer_idx", None):
+        PENDING.layer = None
+        raise RuntimeError(
+            f"layer {pending.layer_idx}: the keys reaching attention lost kvpack's tag (the model's code rebuilt the tensor "
+            "returned by cache.update, e.g. a cast or copy), so attention would silently see the new tokens only. "
+            "Run this model without kvpack.enable (the cache then returns dequantized K/V), or report the architecture."
+        )
+
+
+def _attentions_requested() -> bool:
+    """Whether the running forward collects attention weights (transformers' output_attentions=True)."""
+    try:
+        from transformers.utils.output_capturing import _active_collector
+
+        collected = _active_collector.get()
+    except (ImportError, LookupError):
+        return False
+    return bool(collected) and "attentions" in collected
+
+
 def register() -> None:
     AttentionInterface.register(NAME, kvpack_attention_forward)
     AttentionMaskInterface.register(NAME, sdpa_mask)
@@ -188,12 +218,24 @@ def register() -> None:
 def enable(model) -> None:
     """Compute attention on the compressed cache for `model` (switches its attention to "kvpack").
 
-    Layers that a kvpack cache does not manage keep exact SDPA semantics.
+    Layers that a kvpack cache does not manage keep exact SDPA semantics. `disable` restores the
+    implementation this replaced.
     """
     register()
+    current = model.config._attn_implementation
+    if current != NAME:
+        model._kvpack_previous_attn = current or "sdpa"
     model.set_attn_implementation(NAME)
 
 
-def disable(model, implementation: str = "sdpa") -> None:
-    """Restore a standard attention implementation."""
-    model.set_attn_implementation(implementation)
+def disable(model, implementation: str | None = None) -> None:
+    """Restore the attention implementation `enable` replaced (or `implementation`, e.g. "eager").
+
+    A model kvpack never enabled keeps its implementation.
+    """
+    previous = model.__dict__.pop("_kvpack_previous_attn", None)
+    target = implementation or previous
+    if target is None and model.config._attn_implementation == NAME:
+        target = "sdpa"
+    if target is not None and target != model.config._attn_implementation:
+        model.set_attn_implementation(target)

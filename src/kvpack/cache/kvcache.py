@@ -8,7 +8,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
 
 from ..registry import DEFAULT_METHOD, CodecSpec, MethodConfig, get_method
-from .layer import KVPackLayer
+from .layer import DEBUG, KVPackLayer, deepcopy_sharing
 
 # Architectures whose attention modules were verified to call `past_key_values.update` with
 # post-RoPE keys and dispatch through AttentionInterface (transformers 5.x).
@@ -36,6 +36,30 @@ def layer_kinds(text_config) -> list[tuple[str, int | None]]:
         kind = "sliding_attention" if window is not None else "chunked_attention" if chunk is not None else "full_attention"
         types = [kind] * n_layers
     return [(t, window if t == "sliding_attention" else chunk if t == "chunked_attention" else None) for t in types]
+
+
+def left_padding(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Leading pad tokens per row `(batch,)` of a 2-D mask (1 = token, 0 = pad).
+
+    Only left padding moves tokens: masked tokens elsewhere (a prompt that contains the pad id, from
+    which `generate` builds its mask) stay where they are; attention masks them like any cache does.
+    """
+    return (attention_mask == 0).long().cumprod(-1).sum(-1)
+
+
+def _watch_attention_mask(model) -> None:
+    """Install (once per model) a forward pre-hook that hands each forward's attention mask to its kvpack cache."""
+    if getattr(model, "_kvpack_mask_hook", False):
+        return
+
+    def hook(_module, args, kwargs):
+        cache = kwargs.get("past_key_values")
+        if isinstance(cache, KVCache):
+            cache.observe_attention_mask(kwargs.get("attention_mask"))
+        return None
+
+    model.register_forward_pre_hook(hook, with_kwargs=True)
+    model._kvpack_mask_hook = True
 
 
 def _specs(method: MethodConfig) -> list[CodecSpec]:
@@ -134,6 +158,40 @@ class KVCache(Cache):
                 stacklevel=2,
             )
         super().__init__(layers=layers)
+        if model is not None:
+            _watch_attention_mask(model)
+
+    def __deepcopy__(self, memo: dict) -> KVCache:
+        # A copy made while kvpack.enable is on must follow the model when it is disabled later.
+        return deepcopy_sharing(self, memo, self.model_config)
+
+    def observe_attention_mask(self, attention_mask: torch.Tensor | None) -> None:
+        """Read each row's left padding from a forward's 2-D mask `(batch, kv_length)` (1 = token, 0 = pad).
+
+        Called by a forward pre-hook on the model (installed by the constructor) before every forward
+        that uses this cache; call it yourself before the first forward when calling the inner model
+        directly. Padding is recorded on the first forward; later masks must keep it.
+        """
+        if attention_mask is None or attention_mask.dim() != 2:
+            return
+        layers = [layer for layer in self.layers if isinstance(layer, KVPackLayer)]
+        if not layers:
+            return
+        fresh = not any(layer.length for layer in layers)
+        if not fresh and attention_mask.device.type != "cpu" and not DEBUG:
+            return  # checking the mask again would be a host sync per forward on an accelerator
+        pad = left_padding(attention_mask)
+        if fresh:
+            for layer in layers:
+                layer.set_padding(pad)
+            return
+        known = layers[0].pad if layers[0].pad is not None else torch.zeros_like(pad)
+        if pad.shape != known.shape or not torch.equal(pad, known.to(pad.device)):
+            raise ValueError(
+                f"the attention mask's left padding {pad.tolist()} differs from the padding this cache was filled with "
+                f"{known.tolist()}: kvpack takes padding from the first forward only. Use a fresh cache (or cache.reset()) "
+                "for a new batch."
+            )
 
     def memory_report(self) -> dict:
         """Bytes actually held by the cache's tensors, per segment kind, next to an fp16 DynamicCache.
@@ -166,3 +224,20 @@ class KVCache(Cache):
             "bytes_per_token": total / tokens if tokens else float("nan"),
             "segments": segments,
         }
+
+
+def _refuse_export(cache: KVCache):
+    raise TypeError(
+        "torch.export cannot trace a kvpack.KVCache: its segments change structure as tokens are compressed "
+        "(data-dependent Python control flow). Export the model with a transformers DynamicCache or StaticCache; "
+        "run kvpack eagerly (torch.compile of the model's forward works with a kvpack cache)."
+    )
+
+
+def _refuse_unflatten(values, context):
+    raise TypeError("a kvpack.KVCache cannot be rebuilt from a flattened pytree; see the error raised when it was flattened")
+
+
+# Registered so that torch.export fails with the message above instead of "Unsupported input type".
+torch.utils._pytree.register_pytree_node(KVCache, _refuse_export, _refuse_unflatten, serialized_type_name="kvpack.KVCache")
+

@@ -8,8 +8,10 @@ tokens leave in whole blocks for the stream codecs, appended to one growing stre
 
 from __future__ import annotations
 
+import copy
 import math
 import os
+import threading
 
 import torch
 from transformers.cache_utils import CacheLayerMixin
@@ -21,6 +23,23 @@ from .blocks import BlockRun
 # Finiteness of new K/V is checked on every update on CPU (one pass over the new tokens only); on an
 # accelerator that check is a host sync per layer, so it runs only with KVPACK_DEBUG=1.
 DEBUG = os.environ.get("KVPACK_DEBUG", "0") == "1"
+
+# The layer whose update kvpack attention must read next, per thread: if the model's attention finds
+# no layer tag on its keys (code between update and attention rebuilt the tensor), it can tell that
+# attention would silently run over the new tokens only, and refuse.
+PENDING = threading.local()
+
+
+def deepcopy_sharing(obj, memo: dict, *shared) -> object:
+    """Deep copy of `obj` that keeps references to `shared` objects (the model's config, whose attention
+    switch the copy must keep following) instead of cloning them."""
+    for item in shared:
+        memo[id(item)] = item
+    new = obj.__class__.__new__(obj.__class__)
+    memo[id(obj)] = new
+    for key, value in obj.__dict__.items():
+        setattr(new, key, copy.deepcopy(value, memo))
+    return new
 
 
 def check_new_states(k: torch.Tensor, v: torch.Tensor, layer_idx: int) -> None:
@@ -102,10 +121,36 @@ class KVPackLayer(CacheLayerMixin):
         self.win_k = self.win_v = None
         self.segments: list[Segment] = []
         self.pos_offset: torch.Tensor | None = None  # (batch,) position of logical token 0
+        # (batch,) left-padding tokens of each row (from the attention mask), or None: pads never
+        # leave the exact sink region, so fits, statistics and sinks see real tokens only.
+        self.pad: torch.Tensor | None = None
+        self.pad_max = 0
         self.updates = 0
         self._codecs: dict[str, Codec] = {}
         self.pending_attention = False  # set by update, cleared when kvpack attention reads the layer
         self.is_initialized = False
+
+    @property
+    def sink_target(self) -> int:
+        """Exact leading tokens: the method's sinks after the longest row's left padding."""
+        return self.method.sink_tokens + self.pad_max
+
+    def set_padding(self, pad: torch.Tensor | None) -> None:
+        """Left-padding lengths `pad: (batch,)` of the rows, from the attention mask of the first forward.
+
+        The exact sink region grows to cover every row's padding plus its own first sink tokens, so no
+        pad token reaches a codec (fits, channel statistics, KIVI groups) and each row keeps its real sinks.
+        Positions of logical tokens shift by each row's padding, as the model's own `position_ids` do.
+        """
+        if self.length:
+            raise RuntimeError(f"layer {self.layer_idx} already holds tokens; padding is set before the first update")
+        has_pad = pad is not None and bool((pad > 0).any())
+        self.pad = pad.to(torch.long) if has_pad else None
+        self.pad_max = int(pad.max()) if has_pad else 0
+        self.pos_offset = -self.pad if has_pad else None
+
+    def __deepcopy__(self, memo: dict) -> KVPackLayer:
+        return deepcopy_sharing(self, memo, self.model_config)
 
     # -- transformers layer API ----------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -116,8 +161,31 @@ class KVPackLayer(CacheLayerMixin):
         empty_k = key_states[:, :, :0].to(self.exact_dtype)
         empty_v = value_states[:, :, :0].to(self.exact_dtype)
         self.sink_k, self.sink_v, self.win_k, self.win_v = empty_k, empty_v, empty_k, empty_v
-        self.keys, self.values = empty_k, empty_v  # transformers' generic helpers read these
         self.is_initialized = True
+
+    # transformers' layer API exposes `keys`/`values`; a kvpack layer holds no such tensors, so reading
+    # them decodes every segment (costly, for inspection; kvpack attention reads the segments directly).
+    @property
+    def keys(self) -> torch.Tensor | None:
+        """All cached keys `(batch, kv_heads, length, head_dim)`, dequantized in the model dtype: decodes every segment."""
+        return self._dequantized("key") if self.is_initialized else None
+
+    @keys.setter
+    def keys(self, value) -> None:
+        self._refuse_assignment("keys", value)
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        """All cached values `(batch, kv_heads, length, v_head_dim)`, dequantized: decodes every segment."""
+        return self._dequantized("value") if self.is_initialized else None
+
+    @values.setter
+    def values(self, value) -> None:
+        self._refuse_assignment("values", value)
+
+    def _refuse_assignment(self, name: str, value) -> None:
+        if value is not None:  # transformers' CacheLayerMixin.__init__ assigns None
+            raise AttributeError(f"KVPackLayer.{name} is a read-only dequantized view; use update(), crop() or reset() to change the cache")
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Append new tokens; return dequantized K/V, or handles when kvpack attention is enabled.
@@ -137,7 +205,7 @@ class KVPackLayer(CacheLayerMixin):
         if self.exact_dtype == torch.float16 and key_states.dtype != torch.float16:
             self._check_fits_fp16(key_states, value_states)
         key_states, value_states = key_states.to(self.exact_dtype), value_states.to(self.exact_dtype)
-        n_sink = min(max(self.method.sink_tokens - self.sink_k.shape[2], 0), key_states.shape[2])
+        n_sink = min(max(self.sink_target - self.sink_k.shape[2], 0), key_states.shape[2])
         if n_sink:
             self.sink_k = torch.cat([self.sink_k, key_states[:, :, :n_sink]], dim=2)
             self.sink_v = torch.cat([self.sink_v, value_states[:, :, :n_sink]], dim=2)
@@ -148,6 +216,7 @@ class KVPackLayer(CacheLayerMixin):
         if self._attention_enabled():
             key_states._kvpack_layer = self  # the registered attention reads segments from here
             self.pending_attention = True
+            PENDING.layer = self
             return key_states, value_states
         keys, values = self.dequantized()
         self.flush()
@@ -164,6 +233,15 @@ class KVPackLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self._reset_state()
+
+    def offload(self) -> None:
+        """Move the layer's tensors to the CPU (transformers' cache offloading)."""
+        self._map_batch(lambda t: t.to("cpu", non_blocking=True))
+
+    def prefetch(self) -> None:
+        """Move an offloaded layer back to its device ahead of use."""
+        if self.is_initialized and self.sink_k.device != self.device:
+            self._map_batch(lambda t: t.to(self.device, non_blocking=True))
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
@@ -282,7 +360,7 @@ class KVPackLayer(CacheLayerMixin):
 
     def set_positions(self, position_ids: torch.Tensor | None, q_len: int) -> None:
         """Learn each row's position offset (left padding) from the model's `position_ids`."""
-        if position_ids is None or self.pos_offset is not None:
+        if position_ids is None or self.pos_offset is not None or self.pad is not None:
             return
         last = position_ids[:, -1].to(self.device)
         if last.numel() == 1 and self.batch > 1:
@@ -291,14 +369,18 @@ class KVPackLayer(CacheLayerMixin):
 
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Full K/V `(batch, kv_heads, length, head_dim)` in the model dtype (the no-enable path)."""
-        ks, vs = [self.sink_k], [self.sink_v]
+        return self._dequantized("key"), self._dequantized("value")
+
+    def _dequantized(self, side: str) -> torch.Tensor:
+        key = side == "key"
+        parts = [self.sink_k if key else self.sink_v]
         for seg in self.segments:
-            pos = self.positions(seg.start, seg.length)
-            ks.append(seg.key_codec.decode(seg.keys, pos).to(self.dtype))
-            vs.append(seg.value_codec.decode(seg.values, pos).to(self.dtype))
-        ks.append(self.win_k)
-        vs.append(self.win_v)
-        return torch.cat([k.to(self.dtype) for k in ks], dim=2), torch.cat([v.to(self.dtype) for v in vs], dim=2)
+            if key:
+                parts.append(seg.key_codec.decode(seg.keys, self.positions(seg.start, seg.length)))
+            else:
+                parts.append(seg.value_codec.decode(seg.values, self.positions(seg.start, seg.length)))
+        parts.append(self.win_k if key else self.win_v)
+        return torch.cat([p.to(self.dtype) for p in parts], dim=2)
 
     # -- accounting ----------------------------------------------------------------------------
     def memory(self) -> dict[str, int]:
@@ -342,4 +424,6 @@ class KVPackLayer(CacheLayerMixin):
             seg.map(fn)
         if self.pos_offset is not None:
             self.pos_offset = fn(self.pos_offset)
+        if self.pad is not None:
+            self.pad = fn(self.pad)
         self.batch = self.sink_k.shape[0]
