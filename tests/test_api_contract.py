@@ -134,3 +134,57 @@ def test_torch_export_refuses_with_a_clear_message():
     cache = kvpack.KVCache(model, "int8")
     with pytest.raises(Exception, match="torch.export cannot trace a kvpack.KVCache"):
         torch.export.export(model, (_ids(8),), {"past_key_values": cache})
+
+
+def _poison_layer(model, idx: int, exc: Exception | None = None):
+    """A hook that makes layer `idx`'s keys NaN (the cache must refuse them), or raises `exc` in its MLP."""
+    attn = model.model.layers[idx].self_attn
+    if exc is None:
+        return attn.k_proj.register_forward_hook(lambda m, a, out: out * float("nan"))
+    mlp = model.model.layers[idx].mlp
+
+    def boom(*_):
+        raise exc
+
+    return mlp.register_forward_hook(boom)
+
+
+@pytest.mark.parametrize("enabled", [False, True])
+@pytest.mark.parametrize("method", ["turboquant:k3v2", "shard"])
+def test_rejected_forward_leaves_every_layer_as_it_was(method, enabled):
+    model = _model()
+    ids, more, nxt = _ids(300), _ids(70, 1), _ids(1, 2)
+    (kvpack.enable if enabled else kvpack.disable)(model)
+    try:
+        clean, cache = kvpack.KVCache(model, method), kvpack.KVCache(model, method)
+        with torch.no_grad():
+            model(ids, past_key_values=clean)
+            model(ids, past_key_values=cache)
+            handle = _poison_layer(model, 1)
+            with pytest.raises(ValueError, match="nothing was stored"):
+                model(more, past_key_values=cache)  # layer 0 accepted (and flushed a block) before layer 1 refused
+            handle.remove()
+            assert [layer.length for layer in cache.layers] == [300, 300]
+            want = model(nxt, past_key_values=clean).logits
+            got = model(nxt, past_key_values=cache).logits
+    finally:
+        kvpack.disable(model)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+def test_forward_broken_between_layers_is_rolled_back_on_the_next_one():
+    model = _model()
+    ids, more, nxt = _ids(300), _ids(70, 1), _ids(1, 2)
+    clean, cache = kvpack.KVCache(model, "int8"), kvpack.KVCache(model, "int8")
+    with torch.no_grad():
+        model(ids, past_key_values=clean)
+        model(ids, past_key_values=cache)
+        handle = _poison_layer(model, 0, RuntimeError("out of memory"))
+        with pytest.raises(RuntimeError, match="out of memory"):
+            model(more, past_key_values=cache)  # layer 0 stored 70 tokens, layer 1 never ran
+        handle.remove()
+        assert [layer.length for layer in cache.layers] == [370, 300]
+        with pytest.warns(RuntimeWarning, match="stopped between layers"):
+            got = model(nxt, past_key_values=cache).logits
+        want = model(nxt, past_key_values=clean).logits
+    torch.testing.assert_close(got, want, atol=0, rtol=0)

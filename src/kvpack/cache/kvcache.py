@@ -55,6 +55,7 @@ def _watch_attention_mask(model) -> None:
     def hook(_module, args, kwargs):
         cache = kwargs.get("past_key_values")
         if isinstance(cache, KVCache):
+            cache.begin_forward()  # before the model reads get_seq_length() for its positions
             cache.observe_attention_mask(kwargs.get("attention_mask"))
         return None
 
@@ -158,8 +159,77 @@ class KVCache(Cache):
                 stacklevel=2,
             )
         super().__init__(layers=layers)
+        self._journal: list[tuple[object, dict]] = []  # (layer, snapshot) of the running forward
+        self._last_layer = -1
         if model is not None:
             _watch_attention_mask(model)
+
+    # -- all layers of one forward, or none --------------------------------------------------------
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Append one layer's new tokens. A rejected update undoes the layers this forward already updated.
+
+        Each layer's state is snapshotted (references, no copies) before its update; the snapshots of
+        the running forward form a journal, restarted when the layer index wraps around (a new forward).
+        A forward that broke off between layers (an exception in the model between two updates) leaves
+        layers of different lengths: the next forward finds them and rolls that forward back first.
+        """
+        if layer_idx <= self._last_layer:
+            self.begin_forward()
+        self._last_layer = layer_idx
+        layer = self.layers[layer_idx]
+        self._journal.append((layer, layer.snapshot() if isinstance(layer, KVPackLayer) else dict(vars(layer))))
+        try:
+            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        except Exception:
+            self._rollback()
+            raise
+
+    def begin_forward(self) -> None:
+        """Start a new forward's journal, first rolling back a forward that broke off between layers."""
+        lengths = {layer.get_seq_length() for layer in self.layers if getattr(layer, "is_initialized", False)}
+        if len(lengths) > 1 and self._journal:
+            self._rollback()
+            warnings.warn(
+                "the previous forward through this cache stopped between layers (an exception in the model?); its tokens were "
+                "removed from every layer, so the cache holds what it held before that forward",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        self._journal, self._last_layer = [], -1
+
+    def _rollback(self) -> None:
+        for layer, state in reversed(self._journal):
+            if isinstance(layer, KVPackLayer):
+                layer.restore(state)
+            else:
+                vars(layer).clear()
+                vars(layer).update(state)
+        self._journal = []
+        self._last_layer = -1
+
+    def _forget_journal(self) -> None:
+        """Crop, reorder and reset change every layer at once: what came before cannot be rolled back to."""
+        self._journal, self._last_layer = [], -1
+
+    def crop(self, tokens_to_remove: int) -> None:
+        self._forget_journal()
+        super().crop(tokens_to_remove)
+
+    def reset(self) -> None:
+        self._forget_journal()
+        super().reset()
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._forget_journal()
+        super().reorder_cache(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._forget_journal()
+        super().batch_repeat_interleave(repeats)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._forget_journal()
+        super().batch_select_indices(indices)
 
     def __deepcopy__(self, memo: dict) -> KVCache:
         # A copy made while kvpack.enable is on must follow the model when it is disabled later.

@@ -149,6 +149,27 @@ class KVPackLayer(CacheLayerMixin):
         self.pad_max = int(pad.max()) if has_pad else 0
         self.pos_offset = -self.pad if has_pad else None
 
+    def snapshot(self) -> dict:
+        """What `restore` needs to undo the next update and its flush: references and offsets, no tensor copies.
+
+        Updates never write in place into what a snapshot references: sinks and window are rebuilt by
+        `torch.cat`, block runs only write past their live length, and codecs are created (and fitted)
+        when first used, so dropping the ones created since restores the fitted state.
+        """
+        state = dict(vars(self))
+        state["segments"] = list(self.segments)
+        state["_codecs"] = dict(self._codecs)
+        state["_runs"] = [(run, run.length, list(run.blocks)) for seg in self.segments for run in (seg.key_run, seg.value_run)]
+        return state
+
+    def restore(self, state: dict) -> None:
+        """Return to a `snapshot`: the tokens, segments and fitted codecs it saw, bit for bit."""
+        state = dict(state)
+        for run, length, blocks in state.pop("_runs"):
+            run.length, run.blocks = length, blocks
+        vars(self).clear()
+        vars(self).update(state)
+
     def __deepcopy__(self, memo: dict) -> KVPackLayer:
         return deepcopy_sharing(self, memo, self.model_config)
 
