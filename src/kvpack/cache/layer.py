@@ -271,7 +271,8 @@ class KVPackLayer(CacheLayerMixin):
         self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._map_batch(lambda t: t[indices])
+        indices = torch.as_tensor(indices, dtype=torch.long)  # a tuple (0, 2) selects rows, as DynamicLayer reads it
+        self._map_batch(lambda t: t.index_select(0, indices.to(t.device)))
 
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last `-tokens_to_remove` tokens, as `DynamicLayer.crop` does (all of them if more are asked).
@@ -338,7 +339,9 @@ class KVPackLayer(CacheLayerMixin):
         # a segment (a copy) happens once per block rather than once per decoded token.
         step = math.lcm(kc.token_multiple, vc.token_multiple) if first else self.method.block_size
         n = overflow // step * step
-        if n <= 0:
+        if n <= 0 or (not self.segments and n < self.method.block_size):
+            # The first encode fits data-dependent codecs (channel statistics, PCA, codebooks): it waits
+            # for at least a block of tokens, since statistics of one or a few tokens are degenerate.
             return
         k, v = self.win_k[:, :, :n], self.win_v[:, :, :n]
         start = self.length - self.win_k.shape[2]
