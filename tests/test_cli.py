@@ -152,7 +152,7 @@ def _bad_inputs(tmp_path):
     tiny = ["--model", "tiny-random"]
     return [
         (["compare", *tiny, "--methods", ""], r"--methods is empty; give comma-separated names from: fp16, int8, .*kivi:2.*hf-quanto:4"),
-        (["compare", *tiny, "--methods", "int8,nope"], r"unknown method 'nope'; kvpack methods: fp16, .*shard; peers: dynamic, hf-quanto:2"),
+        (["compare", *tiny, "--methods", "int8,nope"], r"unknown method 'nope'; kvpack methods: fp16, .*shard, .*; peers: dynamic, hf-quanto:2"),
         (["compare", *tiny, "--methods", "hf-zip:4"], r"unknown peer 'hf-zip:4'; peers: dynamic"),
         (["eval", *tiny, "--method", "kivi:3"], r"kivi takes 2 or 4 bits"),
         (["eval", *tiny, "--method", "int8:foo"], r"'int8' takes no options"),

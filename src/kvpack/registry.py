@@ -29,6 +29,9 @@ CODECS: dict[str, str] = {
     "kivi": "kvpack.codecs.kivi:KiviCodec",
     "pca": "kvpack.codecs.pca:PCAKeyCodec",
     "vq": "kvpack.codecs.vq:VQValueCodec",
+    "kvquant-key": "kvpack.codecs.kvquant:KVQuantKeyCodec",
+    "kvquant-value": "kvpack.codecs.kvquant:KVQuantValueCodec",
+    "subspace": "kvpack.codecs.subspace:SubspaceCodec",
 }
 
 CONFIG_CLASSES: dict[str, str] = {
@@ -40,6 +43,9 @@ CONFIG_CLASSES: dict[str, str] = {
     "kivi": "kvpack.codecs.kivi:KiviConfig",
     "pca": "kvpack.codecs.pca:PCAConfig",
     "vq": "kvpack.codecs.vq:VQConfig",
+    "kvquant-key": "kvpack.codecs.kvquant:KVQuantConfig",
+    "kvquant-value": "kvpack.codecs.kvquant:KVQuantConfig",
+    "subspace": "kvpack.codecs.subspace:SubspaceConfig",
 }
 
 
@@ -226,6 +232,24 @@ def _shard(arg: str) -> MethodConfig:
     # cost +3.0% perplexity (values only lossy), with the RMS -0.1%.
     value = CodecSpec("vq", {"token_norm": True})
     return MethodConfig("shard" + (f":{arg}" if arg else ""), s, s, prefill_key=CodecSpec("pca"), prefill_value=value)
+
+
+@method("kvquant", "4", "3", "2")
+def _kvquant(arg: str) -> MethodConfig:
+    if arg not in ("2", "3", "4"):
+        raise ValueError(f"kvquant takes 2, 3 or 4 bits (kvquant:4, kvquant:3, kvquant:2), got {arg!r}")
+    # No prefill codecs: the prompt and later blocks share one fitted codec pair, which fits itself on
+    # its first encode (the prompt's middle), so decoded tokens are coded with codebooks from the prompt.
+    opts = {"bits": int(arg)}
+    return MethodConfig(f"kvquant:{arg}", CodecSpec("kvquant-key", opts), CodecSpec("kvquant-value", opts))
+
+
+@method("subspace", "2")
+def _subspace(arg: str) -> MethodConfig:
+    if arg not in ("2", "3", "4"):
+        raise ValueError(f"subspace takes 2, 3 or 4 bits per component (e.g. subspace:2), got {arg!r}")
+    spec = CodecSpec("subspace", {"bits": int(arg)})  # one fitted codec pair for prompt and stream, as kvquant
+    return MethodConfig(f"subspace:{arg}", spec, spec)
 
 
 DEFAULT_METHOD = "turboquant:k3v2"

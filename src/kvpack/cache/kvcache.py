@@ -263,6 +263,23 @@ class KVCache(Cache):
                 "for a new batch."
             )
 
+    def save(self, path, *, token_ids: torch.Tensor | None = None, compress: bool = False) -> dict:
+        """Write the compressed cache to `path` (safetensors, atomic); `compress=True` adds zstd (`kvpack[store]`).
+
+        token_ids: the tokens the cache holds, kept in the header (`kvpack.cache.serialize.read_header`).
+        Returns bytes on disk and in memory and the seconds taken. Format: docs/storage.md.
+        """
+        from .serialize import save_cache
+
+        return save_cache(self, path, token_ids=token_ids, compress=compress)
+
+    @classmethod
+    def load(cls, path, model) -> KVCache:
+        """A cache saved by `save`, for `model`; a file for another model or a damaged file is refused."""
+        from .serialize import load_cache
+
+        return load_cache(path, model)
+
     def memory_report(self) -> dict:
         """Bytes actually held by the cache's tensors, per segment kind, next to an fp16 DynamicCache.
 

@@ -58,6 +58,29 @@ def slice_packed(packed: Packed, start: int, stop: int) -> Packed:
     return dataclasses.replace(packed, **changes)
 
 
+def check_state(
+    name: str, state: dict[str, torch.Tensor], expected: dict[str, tuple[tuple[int | None, ...], torch.dtype]], together: bool = True
+) -> None:
+    """Refuse a `load_state_dict` input that is not what this codec's `fit` would have produced.
+
+    expected: key -> (shape with None for a dimension fit chooses, e.g. PCA's rank; dtype).
+    together: the keys are fitted together, so the state holds all of them or none (an unfitted codec).
+    """
+    unknown = sorted(set(state) - set(expected))
+    if unknown:
+        raise ValueError(f"codec {name!r} has no fitted state {unknown}; its state keys are {sorted(expected)}")
+    missing = sorted(set(expected) - set(state))
+    if together and state and missing:
+        raise ValueError(f"codec {name!r} state is incomplete: missing {missing} (fit sets {sorted(expected)} together)")
+    for key, value in state.items():
+        shape, dtype = expected[key]
+        ok = isinstance(value, torch.Tensor) and value.dtype == dtype and value.dim() == len(shape)
+        if not ok or any(want is not None and got != want for got, want in zip(value.shape, shape, strict=True)):
+            got = f"{tuple(value.shape)} {value.dtype}" if isinstance(value, torch.Tensor) else type(value).__name__
+            want = tuple("*" if s is None else s for s in shape)
+            raise ValueError(f"codec {name!r} state {key!r} must be a {dtype} tensor of shape {want}, got {got}")
+
+
 def group_query(query: torch.Tensor, kv_heads: int) -> torch.Tensor:
     """`(batch, q_heads, q_len, d)` -> `(batch, kv_heads, group * q_len, d)` without copying K/V.
 

@@ -30,7 +30,7 @@ from ..primitives.packing import pack_bits, packed_length, unpack_bits
 from ..primitives.pca import BIT_OPTIONS, allocate_bits, group_variances, modelled_errors, pca, rank_for_energy
 from ..primitives.rope import apply_rope, mix_pairs, relative_cos_sin, rope_cos_sin, undo_rope
 from ..primitives.validation import check_query
-from .base import Codec, Packed, group_query
+from .base import Codec, Packed, check_state, group_query
 
 _CHUNK_ELEMENTS = 1 << 22  # float32 entries of the largest temporary in `scores` (16 MiB)
 
@@ -174,6 +174,38 @@ class PCAKeyCodec(Codec):
     def rank(self) -> int:
         """Components actually stored (the DP's dropped groups excluded)."""
         return sum(n for n, _ in self.segments)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The fitted mean, basis (+ its column scales for an int8 basis), coefficient scales and the bit
+        allocation `segments` as a `(k, 2)` long tensor of (components, bits); the RoPE frequencies are the model's."""
+        if not self.fitted:
+            return {}
+        state = {"mean": self.mean, "basis": self.basis, "coef_scale": self.coef_scale}
+        if self.basis_scale is not None:
+            state["basis_scale"] = self.basis_scale
+        return state | {"segments": torch.tensor(self.segments, dtype=torch.long).reshape(-1, 2)}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        segments = state.get("segments")
+        if segments is not None and (segments.dtype != torch.long or segments.dim() != 2 or segments.shape[1] != 2):
+            raise ValueError(f"codec {self.name!r} state 'segments' must be a (k, 2) long tensor of (components, bits)")
+        pairs = tuple((int(n), int(b)) for n, b in segments.tolist()) if segments is not None else ()
+        if any(n < 1 or b not in BIT_OPTIONS or b == 0 for n, b in pairs):
+            raise ValueError(f"codec {self.name!r} state 'segments' must hold (components >= 1, bits in {BIT_OPTIONS[1:]}), got {pairs}")
+        rank = sum(n for n, _ in pairs)
+        g, dim = self.groups, self.group_dim
+        expected = {
+            "segments": ((len(pairs), 2), torch.long),
+            "mean": ((g, dim), torch.float16),
+            "basis": ((g, dim, rank), torch.int8 if self.config.basis_bits == 8 else torch.float16),
+            "coef_scale": ((g, rank), torch.float16),
+        }
+        if self.config.basis_bits == 8:
+            expected["basis_scale"] = ((g, rank), torch.float16)
+        check_state(self.name, state, expected)
+        self.segments = pairs
+        self.mean, self.basis, self.coef_scale = state.get("mean"), state.get("basis"), state.get("coef_scale")
+        self.basis_scale = state.get("basis_scale")
 
     def _basis(self, device=None) -> torch.Tensor:
         """Dequantized basis `(groups, group_dim, rank)` float32."""

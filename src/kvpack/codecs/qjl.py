@@ -30,7 +30,7 @@ from ..primitives.packing import pack_bits, unpack_bits
 from ..primitives.qjl import qjl_matrix
 from ..primitives.rotation import derive_seed
 from ..primitives.validation import check_query
-from .base import Codec, Packed, group_query, ungroup
+from .base import Codec, Packed, check_state, group_query, ungroup
 
 
 @dataclass(frozen=True)
@@ -87,6 +87,17 @@ class QJLCodec(Codec):
         absmax = x.float().abs().amax(dim=(0, 2))  # (kv, d)
         self.outlier_idx = absmax.topk(self.config.n_outliers, dim=-1).indices.sort(-1).values
         self._sketch = None
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The fitted outlier channels `(kv_heads, n_outliers)` long; the sketch is rebuilt from the seed."""
+        return {} if self.outlier_idx is None else {"outlier_idx": self.outlier_idx}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        check_state(self.name, state, {"outlier_idx": ((self.kv_heads, self.config.n_outliers), torch.long)})
+        idx = state.get("outlier_idx")
+        if idx is not None and ((idx < 0) | (idx >= self.head_dim)).any():
+            raise ValueError(f"codec {self.name!r} state 'outlier_idx' must hold channels in [0, {self.head_dim}), got {idx.tolist()}")
+        self.outlier_idx, self._sketch = idx, None  # the sketch zeroes the outlier columns: rebuild it
 
     def sketch(self, device: torch.device) -> torch.Tensor:
         if self._sketch is None:

@@ -36,9 +36,12 @@ from ..primitives.rotation import (
     randomized_hadamard_inverse,
 )
 from ..primitives.validation import check_query
-from .base import Codec, Packed, group_query, ungroup
+from .base import Codec, Packed, check_state, group_query, ungroup
 
 ROTATIONS = ("auto", "qr", "hadamard")
+
+# Fewer vectors per channel than this and the channel mean / RMS are not estimated (see `fit`).
+MIN_FIT_SAMPLES = 32
 
 
 @dataclass(frozen=True)
@@ -196,6 +199,12 @@ class TurboQuantCodec(Codec):
         """Per-head mean of `x (batch, kv_heads, tokens, d)` when `center` (else nothing to learn)."""
         self._check(x)
         x = x.float()
+        if x.shape[0] * x.shape[2] < MIN_FIT_SAMPLES:
+            # Statistics of a handful of tokens are noise, and of one token degenerate (its centered
+            # residual is zero, so its RMS scale would blow later tokens up to Inf): normalize by identity.
+            self.mean = torch.zeros(self.kv_heads, self.head_dim, device=x.device) if self.config.center else None
+            self.scale = torch.ones(self.kv_heads, self.head_dim, device=x.device) if self.config.channel_scale else None
+            return
         if self.config.center:
             self.mean = x.mean(dim=(0, 2))
             x = x - self.mean[None, :, None, :]
@@ -206,6 +215,17 @@ class TurboQuantCodec(Codec):
                 ms = ms.view(-1, 2, half).mean(1, keepdim=True).expand(-1, 2, half).reshape(-1, self.head_dim)
             rms = ms.sqrt().clamp_min(1e-6 * ms.sqrt().max().clamp_min(1e-30))
             self.scale = rms.pow(self.config.channel_scale)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The fitted `mean` / `scale` (`(kv_heads, d)` float32, each when configured); rotations, sketches and
+        the Lloyd-Max codebook are rebuilt from the config and seed."""
+        return {k: v for k, v in (("mean", self.mean), ("scale", self.scale)) if v is not None}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        shape = ((self.kv_heads, self.head_dim), torch.float32)
+        expected = {k: shape for k, on in (("mean", self.config.center), ("scale", self.config.channel_scale)) if on}
+        check_state(self.name, state, expected)
+        self.mean, self.scale = state.get("mean"), state.get("scale")
 
     def _scale(self, device: torch.device) -> torch.Tensor | None:
         """`(1, kv_heads, 1, d)` fitted channel scale, or None."""

@@ -22,7 +22,7 @@ import torch
 from ..primitives.kmeans import assign, kmeans
 from ..primitives.packing import pack_bits, unpack_bits
 from ..primitives.rotation import derive_seed, hadamard_transform, random_signs
-from .base import Codec, Packed, group_query, ungroup
+from .base import Codec, Packed, check_state, group_query, ungroup
 
 _CHUNK_ELEMENTS = 1 << 22  # float32 entries of looked-up codewords held at once in `weighted_sum`
 
@@ -111,6 +111,19 @@ class VQValueCodec(Codec):
     def _token_rms(self, y: torch.Tensor) -> torch.Tensor:
         """Per-vector RMS `(b, h, t, 1)` fp16 of channel-scaled rotated values (kept above 0)."""
         return y.square().mean(-1, keepdim=True).sqrt().clamp_min(1e-4).half()
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The fitted channel `scale` and `codebooks` (float16); the Hadamard signs are reseeded."""
+        return {} if not self.fitted else {"scale": self.scale, "codebooks": self.codebooks}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        books = 1 if self.config.scope is VQScope.LAYER else self.kv_heads
+        expected = {
+            "scale": ((self.kv_heads, self.head_dim), torch.float16),
+            "codebooks": ((books, self.config.codebook_size, self.config.group_size), torch.float16),
+        }
+        check_state(self.name, state, expected)
+        self.scale, self.codebooks = state.get("scale"), state.get("codebooks")
 
     def fit(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> None:
         """Channel scales and codebook(s) from values `x (batch, kv_heads, tokens, head_dim)`."""

@@ -1,0 +1,691 @@
+"""Save a compressed cache to disk and load it back, bit for bit: safetensors only, so loading executes no code.
+
+A file is one safetensors file. Its tensors are the cache's own (sinks, windows, every segment's
+packed fields, every codec's fitted `state_dict()`), named `layers.<i>.<part>`; its string metadata
+holds JSON: the format version, the kvpack version, the method (rebuilt from its fields), a model
+fingerprint (architecture fields, rotary hashes), the dtype, the token count (and ids when given),
+the layout that says what each tensor is, and two sha256 digests (header, tensor payload).
+
+`compress=True` stores every tensor as a zstd frame of its bytes in the smallest of three byte orders
+(`_layout`: as in memory, by byte plane, or by channel and byte plane), still as safetensors uint8
+tensors, with the order named in the header.
+Writes are atomic (temporary file in the same directory, fsync, `os.replace`); a file that is
+truncated, corrupted, from another format version or for another model is refused with a
+`CacheFileError` (a ValueError) that names the problem and the fix.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import os
+import re
+import secrets
+import sys
+import time
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers.cache_utils import DynamicSlidingWindowLayer
+
+from ..codecs.base import Packed
+from ..registry import CodecSpec, MethodConfig, get_method
+from .kvcache import KVCache, _rope_per_layer, _text_config, layer_kinds
+from .layer import KVPackLayer, Segment
+
+__all__ = ["FORMAT_VERSION", "CacheFileError", "MissingCacheFileError", "load_cache", "read_header", "save_cache"]
+
+FORMAT = "kvpack-cache"
+FORMAT_VERSION = 1
+# zstd level of `compress=True`. On a 2K-token Shard cache of SmolLM2 (docs/storage.md) levels 3 / 10 / 19 gave
+# 6.10 / 6.10 / 6.07 MB (from 6.94) in 0.5 / 1.1 / 6.9 s of compression: 3 is as small, and fast.
+ZSTD_LEVEL = 3
+# Bytes of whole channel streams per zstd block in the "channels" layout: each block gets its own Huffman table.
+# Same cache: blocks of >= 1 / 4 / 16 KB gave 6.15 / 6.10 / 6.19 MB (fewer tables vs. tables fitted to fewer channels).
+MIN_BLOCK = 4096
+LAYOUTS = ("raw", "planes", "channels")
+
+# Text-config fields that decide the shape and meaning of cached K/V; a file saved for one value refuses another.
+FINGERPRINT_FIELDS = (
+    "num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+    "vocab_size", "sliding_window", "attention_chunk_size", "rope_theta", "rope_parameters", "rope_scaling",
+    "partial_rotary_factor",
+)
+_DTYPES = {n: getattr(torch, n) for n in ("float16", "bfloat16", "float32", "float64", "int8", "uint8", "int16", "int32", "int64", "bool")}
+_PACKED_CLASS = re.compile(r"(kvpack(?:\.\w+)+):(\w+(?:\.\w+)*)")
+# KVPackLayer attributes a file restores (saved or rebuilt from the method and model); tests compare this
+# with a filled layer's attributes, so a new attribute fails there until serialization handles it.
+LAYER_ATTRIBUTES = frozenset({
+    "method", "layer_idx", "model_config", "rope", "length", "updates", "sink_k", "sink_v", "win_k", "win_v", "segments",
+    "pos_offset", "pad", "pad_max", "_codecs", "pending_attention", "is_initialized", "dtype", "device", "batch", "kv_heads",
+    "head_dim", "v_head_dim", "exact_dtype", "keys", "values",
+})
+
+
+class CacheFileError(ValueError):
+    """A cache file that cannot be loaded; the message names the problem and the fix."""
+
+
+class MissingCacheFileError(CacheFileError, FileNotFoundError):
+    """No file at the path (also a FileNotFoundError)."""
+
+
+# -- save ----------------------------------------------------------------------------------------------
+def save_cache(cache: KVCache, path: str | os.PathLike, *, token_ids: torch.Tensor | None = None, compress: bool = False) -> dict:
+    """Write `cache` to `path` atomically; returns {"path", "bytes_on_disk", "bytes_in_memory", "seconds", "compressed", "tokens"}.
+
+    token_ids: the ids the cache holds, `(tokens,)` or `(batch, tokens)`, stored in the header (see `read_header`).
+    compress: entropy-code the tensors with zstd (`pip install "kvpack[store]"`); loading detects it.
+    """
+    start = time.perf_counter()
+    if not isinstance(cache, KVCache):
+        raise TypeError(f"save_cache saves a kvpack.KVCache, got {type(cache).__name__}")
+    zstd = _zstd("save_cache(..., compress=True)") if compress else None
+    tokens = cache.get_seq_length()
+    tensors, layout = collect(cache)
+    meta = {
+        "format": FORMAT,
+        "format_version": str(FORMAT_VERSION),
+        "kvpack_version": _kvpack_version(),
+        "method": json.dumps(method_to_json(cache.method)),
+        "fingerprint": json.dumps(fingerprint(cache)),
+        "dtype": json.dumps(next((entry["dtype"] for entry in layout if entry.get("dtype")), None)),
+        "tokens": str(tokens),
+        "layout": json.dumps(layout),
+    }
+    if token_ids is not None:
+        meta["token_ids"] = json.dumps(_check_token_ids(token_ids, tokens))
+    if zstd is not None:
+        tensors, streams = _compress(tensors, zstd)
+        meta["compression"] = json.dumps(streams)
+    meta["payload_sha256"] = _payload_digest(tensors)
+    meta["header_sha256"] = _header_digest(meta)
+    from safetensors.torch import save
+
+    data = save(tensors, meta)
+    _atomic_write(Path(path), data)
+    return {
+        "path": str(path), "bytes_on_disk": len(data), "bytes_in_memory": cache.memory_report()["total_bytes"],
+        "seconds": time.perf_counter() - start, "compressed": compress, "tokens": tokens,
+    }
+
+
+def collect(cache: KVCache) -> tuple[dict[str, torch.Tensor], list[dict]]:
+    """What a file stores: every tensor of the cache (CPU copies, named `layers.<i>.<part>`) and the per-layer layout."""
+    tensors: dict[str, torch.Tensor] = {}
+    layout = [_save_layer(layer, f"layers.{i}", tensors) for i, layer in enumerate(cache.layers)]
+    return {name: _cpu_copy(t) for name, t in tensors.items()}, layout
+
+
+def _save_layer(layer, prefix: str, tensors: dict[str, torch.Tensor]) -> dict:
+    if isinstance(layer, KVPackLayer):
+        return _save_kvpack_layer(layer, prefix, tensors)
+    if isinstance(layer, DynamicSlidingWindowLayer):
+        return _save_sliding_layer(layer, prefix, tensors)
+    raise ValueError(f"cannot save a {type(layer).__name__} layer: kvpack saves KVPackLayer and DynamicSlidingWindowLayer layers")
+
+
+def _save_kvpack_layer(layer: KVPackLayer, prefix: str, tensors: dict[str, torch.Tensor]) -> dict:
+    if not layer.is_initialized:
+        return {"type": "kvpack", "initialized": False}
+    if layer.pending_attention:
+        raise ValueError(
+            f"layer {layer.layer_idx} is between its cache update and kvpack attention (mid-forward): save the cache "
+            "between forward passes (e.g. after model.generate returns)"
+        )
+    entry: dict[str, Any] = {
+        "type": "kvpack", "initialized": True, "length": layer.length, "updates": layer.updates, "batch": layer.batch,
+        "kv_heads": layer.kv_heads, "head_dim": layer.head_dim, "v_head_dim": layer.v_head_dim,
+        "dtype": _dtype_name(layer.dtype), "exact_dtype": _dtype_name(layer.exact_dtype), "optional": [], "codecs": {}, "segments": [],
+    }
+    for part in ("sink_k", "sink_v", "win_k", "win_v"):
+        tensors[f"{prefix}.{part}"] = getattr(layer, part)
+    for part in ("pos_offset", "pad"):  # (batch,) long or None
+        value = getattr(layer, part, None)
+        if value is not None:
+            tensors[f"{prefix}.{part}"] = value
+            entry["optional"].append(part)
+    for name, codec in layer._codecs.items():
+        state = codec.state_dict()
+        entry["codecs"][name] = {"codec": codec.name, "state": sorted(state)}
+        tensors.update({f"{prefix}.codecs.{name}.{key}": t for key, t in state.items()})
+    names = {id(codec): name for name, codec in layer._codecs.items()}
+    for j, seg in enumerate(layer.segments):
+        entry["segments"].append({
+            "kind": seg.kind, "start": seg.start, "key_codec": names[id(seg.key_codec)], "value_codec": names[id(seg.value_codec)],
+            "keys": _save_packed(seg.keys, f"{prefix}.segments.{j}.keys", tensors),
+            "values": _save_packed(seg.values, f"{prefix}.segments.{j}.values", tensors),
+        })
+    return entry
+
+
+def _save_sliding_layer(layer: DynamicSlidingWindowLayer, prefix: str, tensors: dict[str, torch.Tensor]) -> dict:
+    entry = {"type": "sliding", "initialized": bool(layer.is_initialized), "sliding_window": layer.sliding_window}
+    if layer.is_initialized:
+        tensors[f"{prefix}.keys"], tensors[f"{prefix}.values"] = layer.keys, layer.values
+        entry |= {"cumulative_length": layer.cumulative_length, "record_past": bool(layer.record_past), "dtype": _dtype_name(layer.dtype)}
+    return entry
+
+
+def _save_packed(packed: Packed, prefix: str, tensors: dict[str, torch.Tensor]) -> dict:
+    """Tensor fields to `tensors`; the class and the scalar fields (num_tokens, ...) to the returned layout entry."""
+    cls = type(packed)
+    fields: dict[str, Any] = {}
+    names: list[str] = []
+    for f in dataclasses.fields(packed):
+        value = getattr(packed, f.name)
+        if isinstance(value, torch.Tensor):
+            tensors[f"{prefix}.{f.name}"] = value
+            names.append(f.name)
+        elif value is None or type(value) in (int, float, str, bool):
+            fields[f.name] = value
+        else:
+            raise ValueError(f"cannot save field {f.name!r} of {cls.__qualname__}: a {type(value).__name__} is not a tensor, int, float, str or bool")
+    return {"class": f"{cls.__module__}:{cls.__qualname__}", "fields": fields, "tensors": names}
+
+
+# -- load ----------------------------------------------------------------------------------------------
+def load_cache(path: str | os.PathLike, model) -> KVCache:
+    """The `KVCache` saved at `path`, for `model` (the same architecture and dtype it was saved from), on the model's device.
+
+    Raises `CacheFileError` (a ValueError) for a missing, truncated, corrupted, other-version or other-model file.
+    """
+    path = Path(path)
+    data = _read(path)
+    tensors, meta = _parse(data, path)
+    _check_digests(meta, tensors, path)
+    if "compression" in meta:
+        tensors = _decompress(tensors, _json(meta, "compression", path), path)
+    _check_model(meta, model, path)
+    method = method_from_json(_json(meta, "method", path))
+    cache = KVCache(model, method, allow_untested=True)  # the file's model type was accepted when it was saved
+    layout = _json(meta, "layout", path)
+    if len(layout) != len(cache.layers):
+        raise CacheFileError(f"{path} holds {len(layout)} layers but the model has {len(cache.layers)}")
+    device = getattr(model, "device", torch.device("cpu"))
+    for i, (layer, entry) in enumerate(zip(cache.layers, layout, strict=True)):
+        _restore_layer(layer, entry, _Tensors(tensors, f"layers.{i}", device, path), path)
+    return cache
+
+
+def read_header(path: str | os.PathLike) -> dict:
+    """The header of a cache file without its tensors: format_version, kvpack_version, method, fingerprint, dtype,
+    tokens, token_ids (a long tensor or None) and compressed. The header digest is checked; the payload's is by `load_cache`."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+            header = f.read(int.from_bytes(head, "little")) if len(head) == 8 else b""
+    except FileNotFoundError:
+        raise MissingCacheFileError(_missing_message(path)) from None
+    meta = _metadata(head + header, path)
+    _check_format(meta, path)
+    if meta.get("header_sha256") != _header_digest(meta):
+        raise CacheFileError(_corrupted_message(path, "its header checksum does not match"))
+    ids = json.loads(meta["token_ids"]) if "token_ids" in meta else None
+    return {
+        "format_version": int(meta["format_version"]), "kvpack_version": meta["kvpack_version"], "method": _json(meta, "method", path),
+        "fingerprint": _json(meta, "fingerprint", path), "dtype": _json(meta, "dtype", path), "tokens": int(meta["tokens"]),
+        "token_ids": None if ids is None else torch.tensor(ids, dtype=torch.long), "compressed": "compression" in meta,
+    }
+
+
+class _Tensors:
+    """The loaded tensors of one layer, fetched by part name and moved to the model's device."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], prefix: str, device, path: Path):
+        self.tensors, self.prefix, self.device, self.path = tensors, prefix, device, path
+
+    def get(self, name: str, device=None) -> torch.Tensor:
+        key = f"{self.prefix}.{name}"
+        if key not in self.tensors:
+            raise CacheFileError(_corrupted_message(self.path, f"tensor {key!r} named by its layout is missing"))
+        return self.tensors[key].to(device or self.device, copy=True)
+
+
+def _restore_layer(layer, entry: dict, tensors: _Tensors, path: Path) -> None:
+    kind = "kvpack" if isinstance(layer, KVPackLayer) else "sliding"
+    if entry.get("type") != kind:
+        raise CacheFileError(f"{path}: layer {tensors.prefix} was saved as a {entry.get('type')!r} layer but the model's is {kind!r}")
+    if not entry["initialized"]:
+        return
+    if kind == "sliding":
+        _restore_sliding_layer(layer, entry, tensors, path)
+    else:
+        _restore_kvpack_layer(layer, entry, tensors, path)
+
+
+def _restore_sliding_layer(layer: DynamicSlidingWindowLayer, entry: dict, tensors: _Tensors, path: Path) -> None:
+    if entry["sliding_window"] != layer.sliding_window:
+        raise CacheFileError(f"{path}: {tensors.prefix} has sliding window {entry['sliding_window']}, the model's layer {layer.sliding_window}")
+    keys, values = tensors.get("keys"), tensors.get("values")
+    layer.lazy_initialization(keys, values)  # dtype, device and transformers' own bookkeeping
+    layer.keys, layer.values = keys, values
+    layer.cumulative_length, layer.record_past = int(entry["cumulative_length"]), bool(entry["record_past"])
+
+
+def _restore_kvpack_layer(layer: KVPackLayer, entry: dict, tensors: _Tensors, path: Path) -> None:
+    b, h, d, dv, dtype = entry["batch"], entry["kv_heads"], entry["head_dim"], entry["v_head_dim"], _dtype(entry["dtype"], path)
+    # The layer's own initializer sets dtype, device, shapes and the exact dtype the method implies.
+    layer.lazy_initialization(torch.empty(b, h, 0, d, dtype=dtype, device=tensors.device), torch.empty(b, h, 0, dv, dtype=dtype, device=tensors.device))
+    if _dtype_name(layer.exact_dtype) != entry["exact_dtype"]:
+        raise CacheFileError(f"{path}: {tensors.prefix} stores exact tokens as {entry['exact_dtype']} but its method implies {layer.exact_dtype}")
+    optional = {part: tensors.get(part) for part in entry["optional"]}
+    if "pad" in optional and hasattr(layer, "set_padding"):  # before any token: the layer derives its sink region from it
+        layer.set_padding(optional["pad"])
+    elif "pad" in optional:
+        layer.pad = optional["pad"]
+    layer.pos_offset = optional.get("pos_offset")
+    for part, dim in (("sink_k", d), ("sink_v", dv), ("win_k", d), ("win_v", dv)):
+        setattr(layer, part, _checked(tensors.get(part), (b, h, None, dim), layer.exact_dtype, f"{tensors.prefix}.{part}", path))
+    for name, info in entry["codecs"].items():
+        codec = layer._codec(*_codec_slot(name, path))
+        if codec.name != info["codec"]:
+            raise CacheFileError(f"{path}: {tensors.prefix} codec {name!r} was {info['codec']!r}, the method builds {codec.name!r}")
+        state = {key: tensors.get(f"codecs.{name}.{key}", "cpu") for key in info["state"]}
+        try:
+            codec.load_state_dict(state)
+        except ValueError as err:
+            raise CacheFileError(_corrupted_message(path, f"{tensors.prefix} codec {name!r}: {err}")) from err
+    for j, seg in enumerate(entry["segments"]):
+        if seg["key_codec"] not in layer._codecs or seg["value_codec"] not in layer._codecs:
+            raise CacheFileError(_corrupted_message(path, f"segment {j} of {tensors.prefix} names codecs the layout does not list"))
+        kc, vc = layer._codecs[seg["key_codec"]], layer._codecs[seg["value_codec"]]
+        keys = _load_packed(seg["keys"], tensors, f"segments.{j}.keys", b, path)
+        values = _load_packed(seg["values"], tensors, f"segments.{j}.values", b, path)
+        if keys.num_tokens != values.num_tokens:
+            raise CacheFileError(_corrupted_message(path, f"segment {j} of {tensors.prefix} has {keys.num_tokens} key and {values.num_tokens} value tokens"))
+        layer.segments.append(Segment(seg["kind"], kc, vc, keys, values, int(seg["start"])))
+    layer.length, layer.updates = int(entry["length"]), int(entry["updates"])
+    _check_layer_layout(layer, tensors.prefix, path)
+
+
+def _load_packed(entry: dict, tensors: _Tensors, prefix: str, batch: int, path: Path) -> Packed:
+    cls = _packed_class(entry["class"])
+    kwargs = dict(entry["fields"]) | {name: tensors.get(f"{prefix}.{name}") for name in entry["tensors"]}
+    expected = {f.name for f in dataclasses.fields(cls) if f.init}
+    if set(kwargs) != expected:
+        raise CacheFileError(_corrupted_message(path, f"{prefix} has fields {sorted(kwargs)}, {cls.__qualname__} takes {sorted(expected)}"))
+    try:
+        packed = cls(**kwargs)
+    except (TypeError, ValueError) as err:
+        raise CacheFileError(_corrupted_message(path, f"{prefix} does not rebuild a {cls.__qualname__} ({err})")) from err
+    for name in entry["tensors"]:
+        t = getattr(packed, name)
+        if t.dim() < 3 or t.shape[0] != batch or t.shape[2] != packed.num_tokens:
+            raise CacheFileError(_corrupted_message(path, f"{prefix}.{name} has shape {tuple(t.shape)}, expected batch {batch} and {packed.num_tokens} tokens at dim 2"))
+    return packed
+
+
+def _packed_class(spec: str) -> type[Packed]:
+    """The `Packed` dataclass named `module:qualname`, only from a kvpack module already imported (no import runs)."""
+    match = _PACKED_CLASS.fullmatch(spec)
+    module = sys.modules.get(match[1]) if match else None
+    obj: Any = module
+    for part in match[2].split(".") if module is not None else ():
+        obj = getattr(obj, part, None)
+    if not (isinstance(obj, type) and issubclass(obj, Packed) and dataclasses.is_dataclass(obj)):
+        raise CacheFileError(
+            f"packed class {spec!r} is not a kvpack Packed dataclass of a loaded kvpack codec module; "
+            "kvpack loads only its own codecs' blocks (was the file written by another program?)"
+        )
+    return obj
+
+
+def _checked(t: torch.Tensor, shape: tuple, dtype: torch.dtype, name: str, path: Path) -> torch.Tensor:
+    if t.dtype != dtype or t.dim() != len(shape) or any(w is not None and g != w for g, w in zip(t.shape, shape, strict=True)):
+        raise CacheFileError(_corrupted_message(path, f"{name} is {tuple(t.shape)} {t.dtype}, expected {shape} {dtype}"))
+    return t
+
+
+def _check_layer_layout(layer: KVPackLayer, prefix: str, path: Path) -> None:
+    """[sinks][segments, contiguous][window] must cover exactly `length` tokens."""
+    pos = layer.sink_k.shape[2]
+    for seg in layer.segments:
+        if seg.start != pos:
+            raise CacheFileError(_corrupted_message(path, f"{prefix}: a segment starts at token {seg.start}, expected {pos}"))
+        pos += seg.length
+    if pos + layer.win_k.shape[2] != layer.length or layer.sink_v.shape[2] != layer.sink_k.shape[2] or layer.win_v.shape[2] != layer.win_k.shape[2]:
+        raise CacheFileError(_corrupted_message(path, f"{prefix}: sinks, segments and window do not add up to its {layer.length} tokens"))
+
+
+def _codec_slot(name: str, path: Path) -> tuple[str, str]:
+    kind, _, side = name.rpartition("_")
+    if kind not in ("prefill", "stream") or side not in ("key", "value"):
+        raise CacheFileError(_corrupted_message(path, f"unknown codec slot {name!r}"))
+    return kind, side
+
+
+# -- method and model identity -----------------------------------------------------------------------
+def method_to_json(method: MethodConfig) -> dict:
+    """Every field of `method` as JSON (codec specs as {"codec", "options"}); `method_from_json` rebuilds an equal config."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(method):
+        value = getattr(method, f.name)
+        out[f.name] = {"codec": value.codec, "options": _jsonable(value.options)} if isinstance(value, CodecSpec) else value
+    out["registered"] = _registered(method)
+    if method_from_json(out) != method:
+        raise ValueError(f"method {method.name!r} cannot be saved: its options {out} do not rebuild the same MethodConfig from JSON")
+    return out
+
+
+def method_from_json(data: dict) -> MethodConfig:
+    names = {f.name for f in dataclasses.fields(MethodConfig)}
+    kwargs = {k: CodecSpec(v["codec"], dict(v["options"])) if isinstance(v, dict) else v for k, v in data.items() if k in names}
+    return MethodConfig(**kwargs)
+
+
+def _registered(method: MethodConfig) -> bool:
+    """Whether `method.name` resolves through `get_method` to this very config (informative: loading uses the fields)."""
+    try:
+        return get_method(method.name) == method
+    except ValueError:
+        return False
+
+
+def _jsonable(value: Any) -> Any:
+    return json.loads(json.dumps(value, sort_keys=True, default=lambda v: v.value if isinstance(v, Enum) else repr(v)))
+
+
+def fingerprint(cache: KVCache) -> dict:
+    """What a cache's K/V depend on besides the weights: model type, architecture fields and per-layer RoPE hashes."""
+    return _fingerprint(cache.model_config, [layer.rope if isinstance(layer, KVPackLayer) else None for layer in cache.layers])
+
+
+def model_fingerprint(model) -> dict:
+    """`fingerprint` of a cache built for `model`, read from the model itself (its config and rotary modules, as KVCache reads them)."""
+    _, text = _text_config(model)
+    kinds = layer_kinds(text)
+    ropes = _rope_per_layer(model, kinds)
+    return _fingerprint(model.config, [rope if kind == "full_attention" else None for rope, (kind, _) in zip(ropes, kinds, strict=True)])
+
+
+def _fingerprint(config, ropes: list[tuple[torch.Tensor, float] | None]) -> dict:
+    _, text = _text_config(config)
+    fields = {f: _jsonable(getattr(text, f, None)) for f in FINGERPRINT_FIELDS}
+    fields["head_dim"] = fields["head_dim"] or text.hidden_size // text.num_attention_heads
+    fields["layer_kinds"] = _jsonable(layer_kinds(text))
+    return {"model_type": getattr(text, "model_type", None), "config": fields, "rope": [_rope_digest(r) for r in ropes]}
+
+
+def _rope_digest(rope: tuple[torch.Tensor, float] | None) -> str | None:
+    if rope is None:
+        return None
+    inv_freq, scaling = rope
+    digest = hashlib.sha256(inv_freq.detach().float().cpu().contiguous().numpy().tobytes())
+    digest.update(repr(float(scaling)).encode())
+    return digest.hexdigest()
+
+
+def _check_model(meta: dict, model, path: Path) -> None:
+    saved, now = _json(meta, "fingerprint", path), model_fingerprint(model)
+    fix = "load it with the model it was saved from (or rebuild the cache for this model)"
+    if saved["model_type"] != now["model_type"]:
+        raise CacheFileError(f"{path} is a cache for a {saved['model_type']!r} model, not this {now['model_type']!r} model: {fix}")
+    diffs = [f"{k}: file {saved['config'].get(k)!r}, model {now['config'].get(k)!r}" for k in now["config"] if saved["config"].get(k) != now["config"].get(k)]
+    if diffs:
+        raise CacheFileError(f"{path} is a cache for another model ({'; '.join(diffs)}): {fix}")
+    dtype, model_dtype = _json(meta, "dtype", path), getattr(model, "dtype", None)
+    if dtype is not None and model_dtype is not None and dtype != _dtype_name(model_dtype):
+        raise CacheFileError(f"{path} holds a cache of a {dtype} model, this model runs {_dtype_name(model_dtype)}: load the model with dtype=torch.{dtype}")
+    layers = [i for i, (a, b) in enumerate(zip(saved["rope"], now["rope"], strict=True)) if a is not None and a != b]
+    if layers:  # checked after the dtype: a model cast to another dtype casts its inv_freq buffers too
+        raise CacheFileError(f"{path} was saved with other rotary parameters (inv_freq / attention scaling of layers {layers}): {fix}")
+
+
+# -- file format -----------------------------------------------------------------------------------------
+def _payload_digest(tensors: dict[str, torch.Tensor]) -> str:
+    """sha256 over every tensor's name, dtype, shape and bytes, in name order."""
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name]
+        digest.update(json.dumps([name, _dtype_name(t.dtype), list(t.shape)]).encode())
+        digest.update(_byte_view(t).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _header_digest(meta: dict[str, str]) -> str:
+    body = {k: v for k, v in meta.items() if k != "header_sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def _read(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        raise MissingCacheFileError(_missing_message(path)) from None
+    except IsADirectoryError:
+        raise CacheFileError(f"{path} is a directory, not a cache file: pass the file that save_cache wrote") from None
+
+
+def _parse(data: bytes, path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load
+
+    meta = _metadata(data, path)
+    _check_format(meta, path)
+    try:
+        tensors = load(data)
+    except SafetensorError as err:
+        raise CacheFileError(_corrupted_message(path, f"safetensors cannot read it ({err})")) from err
+    return tensors, meta
+
+
+def _metadata(data: bytes, path: Path) -> dict[str, str]:
+    """The safetensors `__metadata__` strings, read from the header without touching the tensors."""
+    n = int.from_bytes(data[:8], "little") if len(data) >= 8 else -1
+    try:
+        if not 0 <= n <= len(data) - 8:
+            raise ValueError(f"the header length {n} does not fit in the file's {len(data)} bytes")
+        header = json.loads(data[8 : 8 + n])
+        meta = header.get("__metadata__") or {}
+        if not isinstance(meta, dict):
+            raise ValueError("__metadata__ is not a mapping")
+    except (ValueError, AttributeError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise CacheFileError(_corrupted_message(path, f"its safetensors header is unreadable ({err})")) from err
+    return meta
+
+
+def _check_format(meta: dict[str, str], path: Path) -> None:
+    if meta.get("format") != FORMAT:
+        raise CacheFileError(f"{path} is not a kvpack cache file (no kvpack header): pass a file written by kvpack's save_cache")
+    version = meta.get("format_version")
+    if version != str(FORMAT_VERSION):
+        raise CacheFileError(
+            f"{path} has cache format version {version} (written by kvpack {meta.get('kvpack_version')}); this kvpack "
+            f"({_kvpack_version()}) reads version {FORMAT_VERSION}: load it with that kvpack version, or save the cache again"
+        )
+
+
+def _check_digests(meta: dict[str, str], tensors: dict[str, torch.Tensor], path: Path) -> None:
+    if meta.get("header_sha256") != _header_digest(meta):
+        raise CacheFileError(_corrupted_message(path, "its header checksum does not match"))
+    if meta.get("payload_sha256") != _payload_digest(tensors):
+        raise CacheFileError(_corrupted_message(path, "its tensor checksum does not match"))
+
+
+def _json(meta: dict[str, str], key: str, path: Path) -> Any:
+    try:
+        return json.loads(meta[key])
+    except (KeyError, ValueError) as err:
+        raise CacheFileError(_corrupted_message(path, f"header field {key!r} is missing or unreadable")) from err
+
+
+def _missing_message(path: Path) -> str:
+    return f"no cache file at {path}: check the path, or save one first with save_cache(cache, path)"
+
+
+def _corrupted_message(path: Path, what: str) -> str:
+    return f"{path} is truncated or corrupted ({what}): it cannot be loaded; save the cache again (or copy the whole file again)"
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    """`data` to a temporary file beside `path`, fsync, then `os.replace`: `path` is the old file or the whole new one."""
+    if not path.parent.is_dir():
+        raise ValueError(f"cannot save to {path}: the directory {path.parent} does not exist; create it first")
+    tmp = path.parent / f".{path.name}.{secrets.token_hex(8)}.tmp"
+    # os.open, not mkstemp: mode 0o666 minus the umask, as a plain open() would create (mkstemp makes 0o600 files).
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            _write(f, data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(path.parent)
+
+
+def _write(f, data: bytes) -> None:
+    """The one write of a save (a seam where tests make it fail midway)."""
+    f.write(data)
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Make the rename itself durable (POSIX); directories cannot be opened for fsync on Windows."""
+    with contextlib.suppress(OSError):
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+# -- entropy-coded form --------------------------------------------------------------------------------
+def _zstd(purpose: str):
+    try:
+        import zstandard
+    except ImportError as err:
+        from .._optional import MissingDependency, install_line
+
+        raise MissingDependency(f"{purpose} needs the optional package 'zstandard', which is not installed; install it with: {install_line('store')}") from err
+    return zstandard
+
+
+def _grid(shape: list[int], size: int) -> tuple[int, int, int]:
+    """(rows, channels, element bytes) of a tensor: channels = the last dimension, rows = (batch, head, token, ...)."""
+    cols = shape[-1] if shape else 1
+    return (_numel(shape) // cols if cols else 0), cols, size
+
+
+def _layout(t: torch.Tensor, layout: str) -> list[torch.Tensor]:
+    """The bytes of `t` as uint8 chunks in one of LAYOUTS (each a permutation of the bytes):
+
+    raw: as in memory (rows of a token's channels; keeps repeated token rows together for zstd's matches).
+    planes: byte plane, then rows and channels (fp16's sign/exponent bytes apart from its noisy low bytes).
+    channels: one chunk per (byte plane, channel) over all rows: the codes of one channel (or one byte column of
+        bit-packed codes) across tokens, drawn from one distribution, for an entropy coder with a table per block.
+    """
+    rows, cols, size = _grid(list(t.shape), t.element_size())
+    b = _byte_view(t).view(rows, cols, size)
+    if layout == "raw":
+        return [b.reshape(-1)]
+    if layout == "planes":
+        return [b.permute(2, 0, 1).reshape(-1)]
+    return list(b.permute(2, 1, 0).reshape(size * cols, rows))
+
+
+def _unlayout(data: torch.Tensor, dtype: torch.dtype, shape: list[int], layout: str) -> torch.Tensor:
+    """Inverse of `_layout`: the concatenated chunks back to the tensor."""
+    rows, cols, size = _grid(shape, torch.empty((), dtype=dtype).element_size())
+    if layout == "raw":
+        b = data.view(rows, cols, size)
+    elif layout == "planes":
+        b = data.view(size, rows, cols).permute(1, 2, 0)
+    else:
+        b = data.view(size, cols, rows).permute(2, 1, 0)
+    return b.reshape(-1).view(dtype).reshape(shape)
+
+
+def _frame(chunks: list[torch.Tensor], compressor, zstd) -> bytes:
+    """One zstd frame of the chunks, a new block (with its own entropy tables) after every MIN_BLOCK bytes of whole chunks."""
+    cobj = compressor.compressobj(size=sum(c.numel() for c in chunks))
+    out, pending = [], 0
+    for chunk in chunks:
+        out.append(cobj.compress(chunk.numpy().tobytes()))
+        pending += chunk.numel()
+        if pending >= MIN_BLOCK and len(chunks) > 1:
+            out.append(cobj.flush(zstd.COMPRESSOBJ_FLUSH_BLOCK))
+            pending = 0
+    out.append(cobj.flush())
+    return b"".join(out)
+
+
+def _compress(tensors: dict[str, torch.Tensor], zstd) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
+    """Every tensor as the smallest of its LAYOUTS' zstd frames (uint8), and what undoes each."""
+    compressor = zstd.ZstdCompressor(level=ZSTD_LEVEL, write_checksum=True)
+    out, streams = {}, {}
+    for name, t in tensors.items():
+        frames = {layout: _frame(_layout(t, layout), compressor, zstd) for layout in LAYOUTS}
+        layout = min(LAYOUTS, key=lambda k: len(frames[k]))
+        out[name] = torch.frombuffer(bytearray(frames[layout]), dtype=torch.uint8)
+        streams[name] = {"dtype": _dtype_name(t.dtype), "shape": list(t.shape), "layout": layout, "nbytes": t.numel() * t.element_size()}
+    return out, streams
+
+
+def _decompress(tensors: dict[str, torch.Tensor], streams: dict[str, dict], path: Path) -> dict[str, torch.Tensor]:
+    zstd = _zstd(f"loading the compressed cache {path}")
+    decompressor = zstd.ZstdDecompressor()
+    out = {}
+    for name, info in streams.items():
+        if info.get("layout") not in LAYOUTS or name not in tensors:
+            raise CacheFileError(_corrupted_message(path, f"stream {name!r} is missing or has an unknown layout {info.get('layout')!r}"))
+        dtype = _dtype(info["dtype"], path)
+        nbytes = _numel(info["shape"]) * torch.empty((), dtype=dtype).element_size()
+        try:
+            raw = decompressor.decompress(tensors[name].numpy().tobytes(), max_output_size=nbytes)
+        except zstd.ZstdError as err:
+            raise CacheFileError(_corrupted_message(path, f"stream {name!r} does not decompress ({err})")) from err
+        if len(raw) != nbytes:
+            raise CacheFileError(_corrupted_message(path, f"stream {name!r} decompresses to {len(raw)} bytes, not {nbytes}"))
+        data = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+        out[name] = _unlayout(data, dtype, info["shape"], info["layout"])
+    return out
+
+
+# -- small helpers ---------------------------------------------------------------------------------------
+def _cpu_copy(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous CPU copy owning its storage (safetensors refuses views and shared storage)."""
+    return t.detach().to("cpu").clone(memory_format=torch.contiguous_format)
+
+
+def _byte_view(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _dtype(name: str, path: Path) -> torch.dtype:
+    if name not in _DTYPES:
+        raise CacheFileError(_corrupted_message(path, f"unknown dtype {name!r}"))
+    return _DTYPES[name]
+
+
+def _check_token_ids(token_ids: torch.Tensor, tokens: int) -> list:
+    if not isinstance(token_ids, torch.Tensor) or token_ids.dtype.is_floating_point or token_ids.dim() not in (1, 2):
+        raise ValueError(f"token_ids must be an integer tensor of shape (tokens,) or (batch, tokens), got {token_ids!r:.80}")
+    if token_ids.shape[-1] != tokens:
+        raise ValueError(f"token_ids hold {token_ids.shape[-1]} tokens but the cache holds {tokens}: pass the ids the cache was filled with")
+    return token_ids.tolist()
+
+
+def _kvpack_version() -> str:
+    from .. import __version__
+
+    return __version__
