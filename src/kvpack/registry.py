@@ -99,6 +99,23 @@ class CodecSpec:
 
 
 @dataclass(frozen=True)
+class Tier:
+    """An older tier (ADR-004): compressed tokens more than `after` tokens behind the newest one are held by
+    these codecs instead of the stream codecs, moved there in whole blocks as they age."""
+
+    key: CodecSpec
+    value: CodecSpec
+    after: int
+
+    def __post_init__(self):
+        for attr in ("key", "value"):
+            if not isinstance(getattr(self, attr), CodecSpec):
+                raise TypeError(f"Tier.{attr} must be a CodecSpec, got {type(getattr(self, attr)).__name__}")
+        if isinstance(self.after, bool) or not isinstance(self.after, int) or self.after < 1:
+            raise ValueError(f"Tier.after must be a positive int (tokens behind the newest), got {self.after!r}")
+
+
+@dataclass(frozen=True)
 class MethodConfig:
     """Everything a cache needs to know about one compression method.
 
@@ -120,6 +137,7 @@ class MethodConfig:
     window: int = 64
     block_size: int = 64
     exact_dtype: str = "float16"
+    tiers: tuple[Tier, ...] = ()
 
     def __post_init__(self):
         for attr in ("key", "value", "prefill_key", "prefill_value"):
@@ -136,6 +154,19 @@ class MethodConfig:
                 raise ValueError(f"{attr} must be >= 0, got {getattr(self, attr)}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        self._check_tiers()
+
+    def _check_tiers(self) -> None:
+        if not isinstance(self.tiers, tuple) or not all(isinstance(t, Tier) for t in self.tiers):
+            raise TypeError(f"tiers must be a tuple of Tier, got {self.tiers!r}")
+        last = self.window + self.block_size
+        for tier in self.tiers:
+            if tier.after < last or tier.after % self.block_size:
+                raise ValueError(
+                    f"tier boundaries must be multiples of block_size ({self.block_size}), increasing, and at least "
+                    f"window + block_size ({self.window + self.block_size}); got {[t.after for t in self.tiers]}"
+                )
+            last = tier.after + self.block_size
 
     @property
     def lossless(self) -> bool:
@@ -250,6 +281,20 @@ def _subspace(arg: str) -> MethodConfig:
         raise ValueError(f"subspace takes 2, 3 or 4 bits per component (e.g. subspace:2), got {arg!r}")
     spec = CodecSpec("subspace", {"bits": int(arg)})  # one fitted codec pair for prompt and stream, as kvquant
     return MethodConfig(f"subspace:{arg}", spec, spec)
+
+
+@method("tiered", "512")
+def _tiered(arg: str) -> MethodConfig:
+    """ADR-004's three tiers: the exact window (hot), KIVI 4-bit (warm), KIVI 2-bit beyond `arg` tokens (archive)."""
+    try:
+        after = int(arg) if arg else 512
+    except ValueError:
+        after = -1
+    if after < 128 or after % 64:
+        raise ValueError(f"tiered takes the archive boundary in tokens, a multiple of 64 from 128 (e.g. tiered:512), got {arg!r}")
+    warm = (CodecSpec("kivi", {"bits": 4, "axis": "channel"}), CodecSpec("kivi", {"bits": 4, "axis": "token"}))
+    archive = Tier(CodecSpec("kivi", {"bits": 2, "axis": "channel"}), CodecSpec("kivi", {"bits": 2, "axis": "token"}), after)
+    return MethodConfig(f"tiered:{after}", *warm, tiers=(archive,))
 
 
 DEFAULT_METHOD = "turboquant:k3v2"

@@ -64,6 +64,16 @@ class BlockRun:
         self.length = length
         self.blocks = [b for b in self.blocks if b < length] or [0]
 
+    def drop_front(self, n: int) -> None:
+        """Remove the first `n` tokens (demotion to an older tier). The rest is copied into its own buffers, so
+        the dropped bytes are freed and `nbytes` stays what is held; a tier's run is bounded, so is the copy."""
+        if not 0 <= n <= self.length:
+            raise ValueError(f"cannot drop {n} tokens from a run of {self.length}")
+        self._bufs = {name: buf[:, :, n:].clone() for name, buf in self._bufs.items()}
+        self.length -= n
+        self.blocks = [b - n for b in self.blocks if b >= n] or [0]
+        self._template = self.view()
+
     def map(self, fn) -> None:
         """Apply `fn` to the live tokens of every field (batch reorder/select); slack is dropped."""
         self._bufs = {n: fn(b[:, :, : self.length]) for n, b in self._bufs.items()}

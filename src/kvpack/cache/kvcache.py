@@ -64,7 +64,8 @@ def _watch_attention_mask(model) -> None:
 
 
 def _specs(method: MethodConfig) -> list[CodecSpec]:
-    return [s for s in (method.key, method.value, method.prefill_key, method.prefill_value) if s is not None]
+    tiers = [spec for tier in method.tiers for spec in (tier.key, tier.value)]
+    return [s for s in (method.key, method.value, method.prefill_key, method.prefill_value, *tiers) if s is not None]
 
 
 def _uses_positions(method: MethodConfig) -> bool:

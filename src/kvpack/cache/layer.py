@@ -64,7 +64,7 @@ class Segment:
     """Compressed tokens [start, start + length) of the logical sequence: one codec pair's block runs."""
 
     def __init__(self, kind: str, key_codec: Codec, value_codec: Codec, keys: Packed, values: Packed, start: int):
-        self.kind = kind  # "prefill" | "stream"
+        self.kind = kind  # "prefill" | "stream" | "tier1", "tier2", ... (older tiers, see MethodConfig.tiers)
         self.key_codec, self.value_codec = key_codec, value_codec
         self.key_run, self.value_run = BlockRun(keys), BlockRun(values)
         self.start = start
@@ -92,6 +92,12 @@ class Segment:
     def truncate(self, length: int) -> None:
         self.key_run.truncate(length)
         self.value_run.truncate(length)
+
+    def drop_front(self, n: int) -> None:
+        """Hand the first `n` tokens to an older tier: the segment then starts `n` tokens later."""
+        self.key_run.drop_front(n)
+        self.value_run.drop_front(n)
+        self.start += n
 
     def map(self, fn) -> None:
         self.key_run.map(fn)
@@ -345,17 +351,66 @@ class KVPackLayer(CacheLayerMixin):
             return
         k, v = self.win_k[:, :, :n], self.win_v[:, :, :n]
         start = self.length - self.win_k.shape[2]
-        positions = self.positions(start, n)
         if prefill:
+            positions = self.positions(start, n)
             kc.fit(k, positions)
             vc.fit(v, positions)
-        keys, values = kc.encode(k, positions), vc.encode(v, positions)
-        last = self.segments[-1] if self.segments else None
-        if last is not None and last.key_codec is kc and last.value_codec is vc and last.start + last.length == start:
-            last.append(keys, values)  # same codecs, contiguous tokens: one run, read by one kernel call
-        else:
-            self.segments.append(Segment(kind, kc, vc, keys, values, start))
+        # Tokens already past an older tier's boundary (a long prompt) go straight to that tier: no double encode.
+        done = 0
+        for level in range(len(self.method.tiers), 0, -1) if not prefill else ():
+            m = self._tier_count(level, start + done, n - done)
+            if m:
+                self._store(f"tier{level}", k[:, :, done : done + m], v[:, :, done : done + m], start + done)
+                done += m
+        self._store(kind, k[:, :, done:], v[:, :, done:], start + done)
         self.win_k, self.win_v = self.win_k[:, :, n:].contiguous(), self.win_v[:, :, n:].contiguous()
+        self._demote()
+
+    def _store(self, kind: str, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
+        """Encode tokens [start, start + n) with `kind`'s codecs, appending to the segment that ends at `start`."""
+        n = k.shape[2]
+        if not n:
+            return
+        kc, vc = self._codec(kind, "key"), self._codec(kind, "value")
+        positions = self.positions(start, n)
+        keys, values = kc.encode(k, positions), vc.encode(v, positions)
+        prev = next((seg for seg in self.segments if seg.start + seg.length == start), None)
+        if prev is not None and prev.key_codec is kc and prev.value_codec is vc:
+            prev.append(keys, values)  # same codecs, contiguous tokens: one run, read by one kernel call
+        else:
+            at = next((i for i, seg in enumerate(self.segments) if seg.start >= start), len(self.segments))
+            self.segments.insert(at, Segment(kind, kc, vc, keys, values, start))
+
+    def _tier_count(self, level: int, start: int, n: int) -> int:
+        """How many of tokens [start, start + n) lie past tier `level`'s age boundary, in whole blocks."""
+        tier = self.method.tiers[level - 1]
+        kc, vc = self._codec(f"tier{level}", "key"), self._codec(f"tier{level}", "value")
+        step = math.lcm(self.method.block_size, kc.token_multiple, vc.token_multiple)
+        older = min(self.length - tier.after - start, n)
+        return max(older, 0) // step * step
+
+    def _demote(self) -> None:
+        """Move blocks that aged past a tier's boundary from the next younger tier's segment into that tier.
+
+        The younger codec's tokens are decoded and re-encoded (the extra error is measured in tests and
+        docs/reliability.md); whole blocks move, the younger run drops its front, nothing else is copied.
+        """
+        for level in range(1, len(self.method.tiers) + 1):
+            younger = "stream" if level == 1 else f"tier{level - 1}"
+            src = next((seg for seg in self.segments if seg.kind == younger), None)
+            if src is None:
+                continue
+            m = min(self._tier_count(level, src.start, src.length), src.length // src.token_multiple * src.token_multiple)
+            if not m:
+                continue
+            pos = self.positions(src.start, m)
+            k = src.key_codec.decode(slice_packed(src.keys, 0, m), pos)
+            v = src.value_codec.decode(slice_packed(src.values, 0, m), pos)
+            start = src.start
+            src.drop_front(m)
+            if not src.length:
+                self.segments.remove(src)
+            self._store(f"tier{level}", k, v, start)
 
     def _codec(self, kind: str, side: str) -> Codec:
         name = f"{kind}_{side}"
@@ -372,6 +427,9 @@ class KVPackLayer(CacheLayerMixin):
 
     def _spec(self, kind: str, side: str) -> CodecSpec:
         m = self.method
+        if kind.startswith("tier"):
+            tier = m.tiers[int(kind[4:]) - 1]
+            return tier.key if side == "key" else tier.value
         if kind == "prefill":
             return (m.prefill_key if side == "key" else m.prefill_value) or (m.key if side == "key" else m.value)
         return m.key if side == "key" else m.value

@@ -33,7 +33,7 @@ import torch
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from ..codecs.base import Packed
-from ..registry import CodecSpec, MethodConfig, get_method
+from ..registry import CodecSpec, MethodConfig, Tier, get_method
 from .kvcache import KVCache, _rope_per_layer, _text_config, layer_kinds
 from .layer import KVPackLayer, Segment
 
@@ -355,7 +355,7 @@ def _check_layer_layout(layer: KVPackLayer, prefix: str, path: Path) -> None:
 
 def _codec_slot(name: str, path: Path) -> tuple[str, str]:
     kind, _, side = name.rpartition("_")
-    if kind not in ("prefill", "stream") or side not in ("key", "value"):
+    if not (kind in ("prefill", "stream") or (kind.startswith("tier") and kind[4:].isdigit())) or side not in ("key", "value"):
         raise CacheFileError(_corrupted_message(path, f"unknown codec slot {name!r}"))
     return kind, side
 
@@ -366,16 +366,24 @@ def method_to_json(method: MethodConfig) -> dict:
     out: dict[str, Any] = {}
     for f in dataclasses.fields(method):
         value = getattr(method, f.name)
-        out[f.name] = {"codec": value.codec, "options": _jsonable(value.options)} if isinstance(value, CodecSpec) else value
+        if f.name == "tiers":
+            value = [{"key": _spec_json(t.key), "value": _spec_json(t.value), "after": t.after} for t in value]
+        out[f.name] = _spec_json(value) if isinstance(value, CodecSpec) else value
     out["registered"] = _registered(method)
     if method_from_json(out) != method:
         raise ValueError(f"method {method.name!r} cannot be saved: its options {out} do not rebuild the same MethodConfig from JSON")
     return out
 
 
+def _spec_json(spec: CodecSpec) -> dict:
+    return {"codec": spec.codec, "options": _jsonable(spec.options)}
+
+
 def method_from_json(data: dict) -> MethodConfig:
     names = {f.name for f in dataclasses.fields(MethodConfig)}
     kwargs = {k: CodecSpec(v["codec"], dict(v["options"])) if isinstance(v, dict) else v for k, v in data.items() if k in names}
+    spec = lambda v: CodecSpec(v["codec"], dict(v["options"]))  # noqa: E731
+    kwargs["tiers"] = tuple(Tier(spec(t["key"]), spec(t["value"]), int(t["after"])) for t in data.get("tiers", ()))
     return MethodConfig(**kwargs)
 
 
