@@ -2,9 +2,9 @@
 
 from .attention import disable, enable
 from .cache import KVCache
-from .registry import DEFAULT_METHOD, CodecSpec, MethodConfig, get_method, list_methods
+from .registry import DEFAULT_METHOD, CodecSpec, MethodConfig, Tier, get_method, list_methods
 
-__all__ = ["DEFAULT_METHOD", "CodecSpec", "KVCache", "MethodConfig", "disable", "enable", "get_method", "list_methods", "load_model"]
+__all__ = ["DEFAULT_METHOD", "CodecSpec", "KVCache", "MethodConfig", "Tier", "disable", "enable", "get_method", "list_methods", "load_model"]
 __version__ = "0.1.0"
 
 

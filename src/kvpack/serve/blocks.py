@@ -1,0 +1,322 @@
+"""KV blocks of a served prefix <-> safetensors files through a kvpack method; no serving framework here.
+
+A block is the K and V of some consecutive prompt tokens for every layer, `keys, values: (layers,
+tokens, kv_heads, head_dim)`, starting at token position `start`. It is stored as it would sit in a
+`KVCache` after prefill: tokens at positions below the method's `sink_tokens` exact (in its
+`exact_dtype`), the rest through the method's prefill codecs (the stream codecs when it has none),
+and a tail shorter than the codecs' token multiple (KIVI's channel groups) exact. There is no recent
+window: a stored prefix is always followed by more tokens. Each layer gets fresh codecs, fitted on
+this block (TurboQuant's mean and channel scales, VQ codebooks), whose fitted state goes into the
+file, so a file decodes on its own.
+
+Files are safetensors (tensors plus string metadata, no pickle), written to a temporary name and
+moved into place with `os.replace`, so a reader sees a whole file or none. Reading checks the format,
+the method (name and codec options) and any expected shape, and refuses a mismatch with
+`BlockMismatch` rather than decoding codes with the wrong codecs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import struct
+import typing
+import uuid
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import safetensors
+import safetensors.torch
+import torch
+
+from ..codecs.base import Codec, Packed, slice_packed
+from ..registry import EXACT_DTYPES, CodecSpec, MethodConfig, get_method
+
+FORMAT = "kvpack-blocks/1"
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+SHAPE_FIELDS = ("layers", "tokens", "kv_heads", "head_dim", "start")
+
+
+class BlockMismatch(ValueError):
+    """A block file that is not what the reader expects: other format, method or shape."""
+
+
+def chunk_keys(token_ids: Sequence[int], chunk_tokens: int, salt: str = "") -> list[str]:
+    """One key per whole chunk of `chunk_tokens` tokens: sha256 of `salt` and every token up to the chunk's end.
+
+    Chained, as vLLM's prefix-cache block hashes are: chunk i's key names the whole prefix
+    `token_ids[:(i + 1) * chunk_tokens]`, so equal keys mean equal prefixes (and equal positions).
+    `salt` separates what must not be shared (model, method, dtype). A trailing partial chunk gets no key.
+    """
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    digest = hashlib.sha256(salt.encode() + b"\0")
+    keys = []
+    for i in range(len(token_ids) // chunk_tokens):
+        chunk = token_ids[i * chunk_tokens : (i + 1) * chunk_tokens]
+        digest.update(struct.pack(f"<{chunk_tokens}q", *(int(t) for t in chunk)))
+        keys.append(digest.copy().hexdigest())
+    return keys
+
+
+def method_fingerprint(method: MethodConfig) -> str:
+    """What decides the bytes of a block: codec names and options, sinks, exact dtype (canonical JSON)."""
+
+    def spec(s: CodecSpec | None) -> list | None:
+        return None if s is None else [s.codec, {k: s.options[k] for k in sorted(s.options)}]
+
+    return json.dumps(
+        {
+            "key": spec(method.key),
+            "value": spec(method.value),
+            "prefill_key": spec(method.prefill_key),
+            "prefill_value": spec(method.prefill_value),
+            "sink_tokens": method.sink_tokens,
+            "exact_dtype": method.exact_dtype,
+        },
+        sort_keys=True,
+    )
+
+
+def _specs(method: MethodConfig) -> tuple[CodecSpec, CodecSpec]:
+    """The codecs a stored prefix goes through: the prefill codecs, else the stream codecs."""
+    return method.prefill_key or method.key, method.prefill_value or method.value
+
+
+def _build(spec: CodecSpec, head_dim: int, kv_heads: int, layer: int) -> Codec:
+    codec = spec.build(head_dim, kv_heads, layer)
+    if codec.uses_positions:
+        raise ValueError(
+            f"codec {spec.codec!r} stores keys without RoPE and needs the model's rotary embedding; "
+            "block storage takes only codecs that need no token positions"
+        )
+    return codec
+
+
+def _packed_class(codec: Codec) -> type[Packed]:
+    """The packed dataclass `codec.encode` returns, read from its annotation (to rebuild one from a file)."""
+    cls = typing.get_type_hints(type(codec).encode).get("return")
+    if not (isinstance(cls, type) and issubclass(cls, Packed)):
+        raise TypeError(f"{type(codec).__name__}.encode must be annotated with its Packed subclass, got {cls!r}")
+    return cls
+
+
+def _split(tokens: int, start: int, method: MethodConfig, multiple: int) -> tuple[int, int, int]:
+    """(exact head, compressed, exact tail) token counts of a block of `tokens` starting at `start`."""
+    head = min(max(method.sink_tokens - start, 0), tokens)
+    middle = (tokens - head) // multiple * multiple
+    return head, middle, tokens - head - middle
+
+
+def _check_state_saved(spec: CodecSpec, codec: Codec, packed: Packed, head_dim: int, kv_heads: int, layer: int) -> None:
+    """Refuse a codec whose `state_dict` leaves out fitted state that `decode` reads: its file would decode wrong.
+
+    Fitted state (means, scales, bases, codebooks) is per head or channel, so the first token (or token group) shows it.
+    """
+    fresh = _build(spec, head_dim, kv_heads, layer)
+    fresh.load_state_dict(codec.state_dict())
+    probe = slice_packed(packed, 0, codec.token_multiple)
+    if not torch.equal(fresh.decode(probe), codec.decode(probe)):
+        raise NotImplementedError(
+            f"codec {spec.codec!r} with options {spec.options} fits state on the data that its state_dict() does not return, "
+            "so a stored block could not be decoded; it needs state_dict/load_state_dict for that state"
+        )
+
+
+def encode_kv(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    method: str | MethodConfig,
+    start: int = 0,
+    extra: Mapping[str, str] | None = None,
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """`keys, values: (layers, tokens, kv_heads, head_dim)` at positions `start...` -> (tensors, metadata) for safetensors.
+
+    `extra`: string metadata stored alongside (e.g. the model), checked by `decode_kv(expect=...)`.
+    """
+    method = get_method(method)
+    if keys.ndim != 4 or keys.shape != values.shape:
+        raise ValueError(
+            f"keys and values must both be (layers, tokens, kv_heads, head_dim), got {tuple(keys.shape)} and {tuple(values.shape)}"
+        )
+    if keys.dtype not in DTYPES.values() or values.dtype != keys.dtype:
+        raise ValueError(f"keys and values must share one of {sorted(DTYPES)}, got {keys.dtype} and {values.dtype}")
+    if start < 0 or keys.shape[1] < 1:
+        raise ValueError(f"need start >= 0 and at least one token, got start {start} and {keys.shape[1]} tokens")
+    layers, tokens, kv_heads, head_dim = keys.shape
+    kspec, vspec = _specs(method)
+    tensors: dict[str, torch.Tensor] = {}
+    counts = None
+    exact_dtype = EXACT_DTYPES[method.exact_dtype] or keys.dtype
+    for layer in range(layers):
+        kc, vc = _build(kspec, head_dim, kv_heads, layer), _build(vspec, head_dim, kv_heads, layer)
+        counts = counts or _split(tokens, start, method, math.lcm(kc.token_multiple, vc.token_multiple))
+        head, middle, _ = counts
+        if not middle:
+            break
+        for side, codec, spec, x in (("k", kc, kspec, keys[layer]), ("v", vc, vspec, values[layer])):
+            part = x[head : head + middle].permute(1, 0, 2).unsqueeze(0)  # (1, kv_heads, middle, head_dim): a codec's layout
+            codec.fit(part)
+            packed = codec.encode(part)
+            _check_state_saved(spec, codec, packed, head_dim, kv_heads, layer)
+            for f in dataclasses.fields(packed):
+                value = getattr(packed, f.name)
+                if isinstance(value, torch.Tensor):
+                    tensors[f"L{layer}.{side}.{f.name}"] = value.clone(
+                        memory_format=torch.contiguous_format
+                    )  # safetensors refuses shared storage
+            for name, state in codec.state_dict().items():
+                tensors[f"L{layer}.{side}.state.{name}"] = state.detach().cpu().contiguous()
+    head, middle, tail = counts or (0, 0, 0)
+    for side, x in (("k", keys), ("v", values)):
+        for name, part in (("head", x[:, :head]), ("tail", x[:, head + middle :])):
+            if part.shape[1]:
+                if exact_dtype == torch.float16 and part.abs().amax() > torch.finfo(torch.float16).max:
+                    raise ValueError(
+                        f"{side} values exceed the float16 range of the method's exact tokens; "
+                        "use a method with exact_dtype='bfloat16' or 'native' (MethodConfig.with_options)"
+                    )
+                tensors[f"{name}.{side}"] = part.to(exact_dtype).contiguous()
+    metadata = {
+        "format": FORMAT,
+        "method": method.name,
+        "method_spec": method_fingerprint(method),
+        "layers": str(layers),
+        "tokens": str(tokens),
+        "kv_heads": str(kv_heads),
+        "head_dim": str(head_dim),
+        "start": str(start),
+        "dtype": str(keys.dtype).removeprefix("torch."),
+        "split": json.dumps([head, middle, tail]),
+    }
+    for k, v in (extra or {}).items():
+        if k in metadata:
+            raise ValueError(f"extra metadata key {k!r} is reserved")
+        metadata[k] = str(v)
+    return tensors, metadata
+
+
+def check_metadata(metadata: Mapping[str, str], method: str | MethodConfig, expect: Mapping[str, object] | None = None) -> None:
+    """Raise `BlockMismatch` unless `metadata` is this format, this method, and matches every `expect` entry."""
+    method = get_method(method)
+    if metadata.get("format") != FORMAT:
+        raise BlockMismatch(f"not a {FORMAT} file (format {metadata.get('format')!r})")
+    if metadata.get("method") != method.name or metadata.get("method_spec") != method_fingerprint(method):
+        raise BlockMismatch(
+            f"block was written with method {metadata.get('method')!r} ({metadata.get('method_spec')}), reader uses {method.name!r}"
+        )
+    for key, want in (expect or {}).items():
+        if metadata.get(key) != str(want):
+            raise BlockMismatch(f"block has {key}={metadata.get(key)!r}, expected {want!r}")
+
+
+def decode_kv(
+    tensors: Mapping[str, torch.Tensor],
+    metadata: Mapping[str, str],
+    method: str | MethodConfig,
+    expect: Mapping[str, object] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of `encode_kv`: (keys, values) `(layers, tokens, kv_heads, head_dim)` in the dtype they were stored from.
+
+    `expect`: metadata values the block must have (e.g. `{"layers": 30, "head_dim": 64, "model": ...}`);
+    any mismatch, or another method, raises `BlockMismatch`.
+    """
+    method = get_method(method)
+    check_metadata(metadata, method, expect)
+    layers, tokens, kv_heads, head_dim = (int(metadata[k]) for k in SHAPE_FIELDS[:4])
+    head, middle, tail = json.loads(metadata["split"])
+    dtype = DTYPES[metadata["dtype"]]
+    kspec, vspec = _specs(method)
+    out = {}
+    for side, spec in (("k", kspec), ("v", vspec)):
+        parts = [tensors[f"head.{side}"].to(dtype)] if head else []
+        if middle:
+            rows = []
+            for layer in range(layers):
+                codec = _build(spec, head_dim, kv_heads, layer)
+                prefix = f"L{layer}.{side}.state."
+                codec.load_state_dict({k.removeprefix(prefix): t for k, t in tensors.items() if k.startswith(prefix)})
+                cls = _packed_class(codec)
+                declared = [f for f in dataclasses.fields(cls) if f.name != "num_tokens"]
+                fields = {f.name: tensors.get(f"L{layer}.{side}.{f.name}") for f in declared}
+                missing = [
+                    f.name for f in declared if fields[f.name] is None and f.default is not None
+                ]  # optional fields default to None
+                if missing:
+                    raise BlockMismatch(f"block lacks {side} field(s) {missing} of layer {layer}")
+                x = codec.decode(cls(num_tokens=middle, **fields))  # (1, kv_heads, middle, head_dim)
+                rows.append(x[0].permute(1, 0, 2))
+            parts.append(torch.stack(rows).to(dtype))
+        if tail:
+            parts.append(tensors[f"tail.{side}"].to(dtype))
+        out[side] = torch.cat(parts, dim=1)
+        if out[side].shape != (layers, tokens, kv_heads, head_dim):
+            raise BlockMismatch(
+                f"decoded {side} has shape {tuple(out[side].shape)}, metadata says {(layers, tokens, kv_heads, head_dim)}"
+            )
+    return out["k"], out["v"]
+
+
+def write_atomic(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> int:
+    """Write a safetensors file at `path` via a temporary file and `os.replace`; returns its size in bytes.
+
+    Concurrent writers of one key each replace the file whole; a failure leaves no file (and no temporary).
+    """
+    path = Path(path)
+    data = safetensors.torch.save(dict(tensors), metadata=dict(metadata))
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return len(data)
+
+
+def save_kv(
+    path: str | os.PathLike,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    method: str | MethodConfig,
+    start: int = 0,
+    extra: Mapping[str, str] | None = None,
+) -> int:
+    """`encode_kv` then `write_atomic`; returns the bytes written."""
+    tensors, metadata = encode_kv(keys, values, method, start, extra)
+    return write_atomic(path, tensors, metadata)
+
+
+def read_metadata(path: str | os.PathLike) -> dict[str, str]:
+    """The string metadata of a block file (its header only); `BlockMismatch` if it is no safetensors file."""
+    try:
+        with safetensors.safe_open(str(path), framework="pt") as f:
+            return dict(f.metadata() or {})
+    except safetensors.SafetensorError as err:
+        raise BlockMismatch(f"{path} is not a readable safetensors file: {err}") from err
+
+
+def load_kv(
+    path: str | os.PathLike,
+    method: str | MethodConfig,
+    expect: Mapping[str, object] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Read and decode a file written by `save_kv`.
+
+    `BlockMismatch` if it holds another method or shape, or is damaged beyond safetensors' own checks
+    (header, tensor sizes); a missing file raises `FileNotFoundError`. Tensor bytes carry no checksum.
+    """
+    try:
+        with safetensors.safe_open(str(path), framework="pt") as f:
+            metadata = dict(f.metadata() or {})
+            check_metadata(metadata, method, expect)  # before reading any tensor
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
+    except safetensors.SafetensorError as err:
+        raise BlockMismatch(f"{path} is not a readable safetensors file: {err}") from err
+    return decode_kv(tensors, metadata, method, expect)

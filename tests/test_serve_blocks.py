@@ -1,0 +1,243 @@
+"""kvpack.serve.blocks: KV blocks <-> safetensors files through a kvpack method, without vLLM.
+
+Errors are held to bounds computed from the data, not from the codec: int8 to half a quantization
+step of each token's absmax, TurboQuant to the Lloyd-Max distortion of a unit-variance Gaussian at
+its bit width (Max 1960; the TurboQuant paper's Table: 0.1175, 0.03454, 0.009497 at 2, 3, 4 bits).
+"""
+
+import hashlib
+import json
+import math
+import os
+import struct
+
+import pytest
+import safetensors.torch
+import torch
+
+from kvpack.registry import CodecSpec, MethodConfig, get_method, list_methods
+from kvpack.serve import blocks
+
+LLOYD_MAX_GAUSSIAN = {2: 0.1175, 3: 0.03454, 4: 0.009497}  # MSE per coordinate, unit variance
+
+
+def kv(layers=3, tokens=217, kv_heads=3, head_dim=96, seed=0, dtype=torch.float32):
+    """Keys with a few large channels (as real keys have), Gaussian values; awkward sizes by default."""
+    g = torch.Generator().manual_seed(seed)
+    channel = torch.ones(head_dim)
+    channel[:4] = 20.0
+    k = torch.randn(layers, tokens, kv_heads, head_dim, generator=g) * channel
+    v = torch.randn(layers, tokens, kv_heads, head_dim, generator=g)
+    return k.to(dtype), v.to(dtype)
+
+
+def plain_turboquant(bits: int) -> MethodConfig:
+    """TurboQuant exactly as in the paper (no centering or channel scaling), no exact sinks."""
+    spec = CodecSpec("turboquant", {"bits": bits})
+    return MethodConfig(f"tq{bits}-plain", spec, spec, sink_tokens=0)
+
+
+def test_int8_error_within_half_a_step_of_each_tokens_absmax():
+    k, v = kv()
+    tensors, meta = blocks.encode_kv(k, v, "int8", start=0)
+    k2, v2 = blocks.decode_kv(tensors, meta, "int8")
+    assert json.loads(meta["split"]) == [4, 213, 0]  # int8's 4 sinks exact, the rest int8
+    for x, y in ((k, k2), (v, v2)):
+        assert y.dtype == torch.float32 and y.shape == x.shape
+        torch.testing.assert_close(y[:, :4], x[:, :4].half().float(), rtol=0, atol=0)  # sinks: fp16, exact
+        step = x[:, 4:].abs().amax(-1, keepdim=True) / 127
+        # The step is stored in fp16 (relative rounding <= 2^-11); allow 2^-10.
+        assert ((y[:, 4:] - x[:, 4:]).abs() <= step / 2 * (1 + 2**-10)).all()
+        assert (y[:, 4:] != x[:, 4:]).any()  # really quantized: the bound is not met by a copy
+
+
+def test_block_after_the_sinks_has_no_exact_tokens():
+    k, v = kv(tokens=64)
+    _, meta = blocks.encode_kv(k, v, "int8", start=128)
+    assert json.loads(meta["split"]) == [0, 64, 0]
+    _, meta = blocks.encode_kv(k, v, "int8", start=2)  # a block holding the last two sink positions
+    assert json.loads(meta["split"]) == [2, 62, 0]
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("head_dim", [64, 96, 128])
+def test_turboquant_relative_mse_at_the_lloyd_max_distortion(bits, head_dim):
+    # A rotated unit vector has coordinates ~ N(0, 1/d): the relative MSE of a vector is the per-coordinate
+    # Lloyd-Max distortion of a unit Gaussian. The exact (Beta) codebook at finite d sits slightly below it
+    # (measured 0.97-0.99x); more than 10% below would mean more than `bits` bits were spent.
+    g = torch.Generator().manual_seed(bits)
+    k, v = (torch.randn(2, 512, 4, head_dim, generator=g) for _ in range(2))  # isotropic Gaussian, as the bound assumes
+    method = plain_turboquant(bits)
+    tensors, meta = blocks.encode_kv(k, v, method)
+    k2, v2 = blocks.decode_kv(tensors, meta, method)
+    for x, y in ((k, k2), (v, v2)):
+        rel = ((y - x).pow(2).sum(-1) / x.pow(2).sum(-1)).mean().item()
+        assert 0.9 * LLOYD_MAX_GAUSSIAN[bits] <= rel <= 1.02 * LLOYD_MAX_GAUSSIAN[bits]
+
+
+def _needs_positions(method: MethodConfig) -> bool:
+    specs = (method.key, method.value, method.prefill_key, method.prefill_value)
+    return any(s is not None and s.codec_class.uses_positions for s in specs)
+
+
+BLOCK_METHODS = [m for m in list_methods() if not _needs_positions(get_method(m))]
+POSITION_METHODS = [m for m in list_methods() if _needs_positions(get_method(m))]
+
+
+@pytest.mark.parametrize("name", BLOCK_METHODS)
+def test_file_round_trip_adds_nothing_to_the_codecs_error(name, tmp_path):
+    # A file decodes bit-identically to the in-memory codecs fitted on the same block: saving and loading
+    # (fitted state included: TurboQuant's mean and channel scales) is exact.
+    method = get_method(name)
+    k, v = kv(tokens=256, head_dim=64)
+    blocks.save_kv(tmp_path / "b.safetensors", k, v, name, start=0)
+    k2, v2 = blocks.load_kv(tmp_path / "b.safetensors", name)
+    kspec, vspec = method.prefill_key or method.key, method.prefill_value or method.value
+    head = min(method.sink_tokens, 256)
+    multiple = math.lcm(kspec.build(64, 3).token_multiple, vspec.build(64, 3).token_multiple)  # K and V split alike
+    middle = (256 - head) // multiple * multiple
+    for x, y, spec in ((k, k2, kspec), (v, v2, vspec)):
+        torch.testing.assert_close(y[:, head + middle :], x[:, head + middle :].half().float(), rtol=0, atol=0)  # exact tail
+        for layer in range(3):
+            codec = spec.build(64, 3, layer)
+            part = x[layer, head:].permute(1, 0, 2).unsqueeze(0)
+            codec.fit(part[:, :, :middle])
+            expected = codec.decode(codec.encode(part[:, :, :middle]))[0].permute(1, 0, 2)
+            assert torch.equal(y[layer, head : head + middle], expected)
+
+
+def test_int8_file_bytes_are_the_hand_count(tmp_path):
+    layers, tokens, heads, d = 3, 217, 3, 96
+    k, v = kv(layers, tokens, heads, d)
+    size = blocks.save_kv(tmp_path / "b.safetensors", k, v, "int8")
+    sinks = 4 * heads * d * 2  # fp16
+    compressed = (tokens - 4) * heads * (d * 1 + 2)  # int8 codes + one fp16 scale per token and head
+    payload = layers * 2 * (sinks + compressed)
+    assert size == os.path.getsize(tmp_path / "b.safetensors")
+    header = int.from_bytes((tmp_path / "b.safetensors").read_bytes()[:8], "little")
+    assert size == 8 + header + payload
+    assert size < 0.27 * k.numel() * 4 * 2  # vs the fp32 K and V: int8 plus scales and header
+
+
+def test_dtype_is_kept():
+    k, v = kv(tokens=40, dtype=torch.bfloat16)
+    k2, v2 = blocks.decode_kv(*blocks.encode_kv(k, v, "int8"), "int8")
+    assert k2.dtype == v2.dtype == torch.bfloat16
+
+
+def test_values_beyond_fp16_refused_for_fp16_sinks():
+    k, v = kv(tokens=16)
+    k[0, 0, 0, 0] = 1e5
+    with pytest.raises(ValueError, match="float16 range"):
+        blocks.encode_kv(k, v, "int8")
+    native = get_method("int8").with_options(exact_dtype="native")
+    k2, _ = blocks.decode_kv(*blocks.encode_kv(k, v, native), native)
+    assert k2[0, 0, 0, 0] == 1e5
+
+
+@pytest.mark.parametrize("name", POSITION_METHODS)
+def test_codec_needing_positions_refused(name):
+    k, v = kv(tokens=64, head_dim=64)
+    with pytest.raises(ValueError, match="rotary"):
+        blocks.encode_kv(k, v, name)
+
+
+def test_codec_whose_state_dict_misses_fitted_state_refused(monkeypatch):
+    # TurboQuant with centering fits a mean; a state_dict without it would write files that decode wrong.
+    from kvpack.codecs.turboquant import TurboQuantCodec
+
+    monkeypatch.setattr(TurboQuantCodec, "state_dict", lambda self: {})
+    monkeypatch.setattr(TurboQuantCodec, "load_state_dict", lambda self, state: None)
+    k, v = kv(tokens=64, head_dim=64)
+    with pytest.raises(NotImplementedError, match="state_dict"):
+        blocks.encode_kv(k, v, "turboquant:k4v4")
+
+
+def test_chunk_keys_stable_chained_and_salted():
+    ids = list(range(1000, 1100))
+    keys = blocks.chunk_keys(ids, 32)
+    assert len(keys) == 3  # the trailing 4 tokens form no whole chunk
+    assert keys == blocks.chunk_keys(tuple(ids), 32) == blocks.chunk_keys(torch.tensor(ids).tolist(), 32)
+    # The documented format (keys name files shared across processes and releases): sha256 of the salt,
+    # a NUL byte, then every token of the prefix as little-endian int64.
+    for i, key in enumerate(keys):
+        assert key == hashlib.sha256(b"\0" + struct.pack(f"<{32 * (i + 1)}q", *ids[: 32 * (i + 1)])).hexdigest()
+    assert len(set(keys)) == 3
+    later = ids.copy()
+    later[40] += 1  # a token in chunk 1
+    assert blocks.chunk_keys(later, 32)[0] == keys[0] and blocks.chunk_keys(later, 32)[1:] != keys[1:]
+    earlier = ids.copy()
+    earlier[0] += 1  # a token in chunk 0 changes every later key (chained)
+    assert all(a != b for a, b in zip(blocks.chunk_keys(earlier, 32), keys, strict=True))
+    assert all(a != b for a, b in zip(blocks.chunk_keys(ids, 32, salt="other-model"), keys, strict=True))
+
+
+def test_failed_write_leaves_no_file(tmp_path, monkeypatch):
+    k, v = kv(tokens=16)
+    path = tmp_path / "b.safetensors"
+
+    def fail(*args):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(blocks.os, "fsync", fail)
+    with pytest.raises(OSError, match="disk full"):
+        blocks.save_kv(path, k, v, "int8")
+    assert list(tmp_path.iterdir()) == []  # neither the file nor a temporary
+
+
+def test_failed_replace_keeps_the_old_file(tmp_path, monkeypatch):
+    k, v = kv(tokens=16)
+    path = tmp_path / "b.safetensors"
+    blocks.save_kv(path, k, v, "int8")
+    before = path.read_bytes()
+
+    def fail(*args):
+        raise OSError("interrupted")
+
+    monkeypatch.setattr(blocks.os, "replace", fail)
+    with pytest.raises(OSError, match="interrupted"):
+        blocks.save_kv(path, k * 2, v, "int8")
+    assert path.read_bytes() == before and list(tmp_path.iterdir()) == [path]
+
+
+def test_other_method_or_shape_refused(tmp_path):
+    k, v = kv(tokens=64, head_dim=64)
+    path = tmp_path / "b.safetensors"
+    blocks.save_kv(path, k, v, "int8", start=128, extra={"model": "smollm2-135m"})
+    with pytest.raises(blocks.BlockMismatch, match="method"):
+        blocks.load_kv(path, "turboquant:k4v4")
+    with pytest.raises(blocks.BlockMismatch, match="method"):  # same name, other options
+        blocks.load_kv(path, get_method("int8").with_options(sink_tokens=0))
+    for key, value in (("layers", 30), ("head_dim", 128), ("start", 0), ("model", "qwen2-0.5b")):
+        with pytest.raises(blocks.BlockMismatch, match=key):
+            blocks.load_kv(path, "int8", expect={key: value})
+    k2, _ = blocks.load_kv(
+        path, "int8", expect={"layers": 3, "kv_heads": 3, "head_dim": 64, "tokens": 64, "start": 128, "model": "smollm2-135m"}
+    )
+    assert k2.shape == k.shape
+
+
+def test_foreign_safetensors_file_refused(tmp_path):
+    path = tmp_path / "x.safetensors"
+    safetensors.torch.save_file({"kv_cache": torch.zeros(2, 2)}, str(path))
+    with pytest.raises(blocks.BlockMismatch, match="format"):
+        blocks.load_kv(path, "int8")
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated"])
+def test_damaged_file_refused(tmp_path, damage):
+    k, v = kv(tokens=16)
+    path = tmp_path / "b.safetensors"
+    blocks.save_kv(path, k, v, "int8")
+    data = path.read_bytes()
+    path.write_bytes(b"not a safetensors file" if damage == "garbage" else data[: len(data) - 100])
+    with pytest.raises(blocks.BlockMismatch, match="safetensors"):
+        blocks.load_kv(path, "int8")
+
+
+def test_missing_codes_refused():
+    k, v = kv(tokens=16)
+    tensors, meta = blocks.encode_kv(k, v, "int8")
+    del tensors["L1.v.codes"]
+    with pytest.raises(blocks.BlockMismatch, match="codes"):
+        blocks.decode_kv(tensors, meta, "int8")
