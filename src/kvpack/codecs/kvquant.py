@@ -39,10 +39,11 @@ from dataclasses import dataclass
 import torch
 
 from ..primitives.packing import pack_bits, unpack_bits
-from ..primitives.rope import apply_rope, rope_cos_sin, undo_rope
+from ..primitives.rope import apply_rope, undo_rope
 from ..primitives.scalar_codebook import lloyd_1d, nearest_level, sorted_quantiles
 from ..primitives.validation import check_query
 from .base import Codec, Packed, check_state, group_query, slice_packed, ungroup
+from .rope_keys import UnRopedKeys
 
 BITS = (2, 3, 4)
 _CHUNK_ELEMENTS = 1 << 22  # float32 entries of one decoded chunk in `scores` / `weighted_sum` (16 MiB)
@@ -77,14 +78,6 @@ class KVQuantPacked(Packed):
     outlier_value: torch.Tensor  # (batch, kv_heads, tokens, k) float16 its value (un-RoPEd for keys)
     center: torch.Tensor | None = None  # values only: (batch, kv_heads, tokens, 1) float16 midpoint of the inlier range
     radius: torch.Tensor | None = None  # values only: (batch, kv_heads, tokens, 1) float16 half-width of that range
-
-
-@dataclass(frozen=True)
-class _Rope:
-    """The model's rotary parameters: borrowed, not codec state (kept out of `state_nbytes`)."""
-
-    inv_freq: torch.Tensor
-    scaling: float
 
 
 class _KVQuantBase(Codec):
@@ -125,7 +118,7 @@ class _KVQuantBase(Codec):
             yield start, slice_packed(packed, start, min(start + step, packed.num_tokens))
 
 
-class KVQuantKeyCodec(_KVQuantBase):
+class KVQuantKeyCodec(UnRopedKeys, _KVQuantBase):
     """Keys: RoPE undone, per-(kv head, channel) codebooks and outlier thresholds fitted on the first block."""
 
     name = "kvquant-key"
@@ -136,25 +129,10 @@ class KVQuantKeyCodec(_KVQuantBase):
         if head_dim % 2:
             raise ValueError(f"rotate-half RoPE needs an even head_dim, got {head_dim}")
         # Until `set_rope`, keys are taken as RoPE-free: zero frequencies make RoPE the identity.
-        self.rope = _Rope(torch.zeros(head_dim // 2), 1.0)
-        self.rope_set = False
+        self._init_rope()
         self.center: torch.Tensor | None = None  # (kv_heads, d) float16 midpoint of each channel's thresholds
         self.radius: torch.Tensor | None = None  # (kv_heads, d) float16 half the distance between them
 
-    def set_rope(self, inv_freq: torch.Tensor, attention_scaling: float = 1.0) -> None:
-        if inv_freq.shape != (self.head_dim // 2,):
-            raise ValueError(f"inv_freq must have shape ({self.head_dim // 2},), got {tuple(inv_freq.shape)}")
-        self.rope = _Rope(inv_freq.detach().float().cpu(), float(attention_scaling))
-        self.rope_set = True
-
-    def _cos_sin(self, positions: torch.Tensor | None, batch: int, tokens: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-        if positions is None:
-            if self.rope_set:
-                raise ValueError("this codec undoes RoPE: pass positions (batch, tokens) to encode/decode/scores")
-            positions = torch.zeros(batch, tokens, dtype=torch.long, device=device)
-        if positions.shape != (batch, tokens):
-            raise ValueError(f"positions must have shape ({batch}, {tokens}), got {tuple(positions.shape)}")
-        return rope_cos_sin(positions, self.rope.inv_freq.to(device), self.rope.scaling)
 
     def _unroped(self, x: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
         self._check(x)

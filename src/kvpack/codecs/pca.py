@@ -28,9 +28,10 @@ import torch
 
 from ..primitives.packing import pack_bits, packed_length, unpack_bits
 from ..primitives.pca import BIT_OPTIONS, allocate_bits, group_variances, modelled_errors, pca, rank_for_energy
-from ..primitives.rope import apply_rope, mix_pairs, relative_cos_sin, rope_cos_sin, undo_rope
+from ..primitives.rope import apply_rope, mix_pairs, relative_cos_sin, undo_rope
 from ..primitives.validation import check_query
 from .base import Codec, Packed, check_state, group_query
+from .rope_keys import UnRopedKeys
 
 _CHUNK_ELEMENTS = 1 << 22  # float32 entries of the largest temporary in `scores` (16 MiB)
 
@@ -102,15 +103,7 @@ class PCAPacked(Packed):
     codes: torch.Tensor  # (batch, groups, tokens, bytes) uint8; groups = 1 (layer scope) or kv_heads
 
 
-@dataclass(frozen=True)
-class _Rope:
-    """The model's rotary parameters: borrowed, not codec state (kept out of `state_nbytes`)."""
-
-    inv_freq: torch.Tensor
-    scaling: float
-
-
-class PCAKeyCodec(Codec):
+class PCAKeyCodec(UnRopedKeys, Codec):
     name = "pca"
     uses_positions = True
 
@@ -121,8 +114,7 @@ class PCAKeyCodec(Codec):
         self.groups = 1 if config.scope is PCAScope.LAYER else kv_heads
         self.group_dim = kv_heads * head_dim // self.groups
         # Until `set_rope`, keys are taken as RoPE-free: zero frequencies make RoPE the identity.
-        self.rope = _Rope(torch.zeros(head_dim // 2), 1.0)
-        self.rope_set = False
+        self._init_rope()
         self.mean: torch.Tensor | None = None  # (groups, group_dim) float16
         self.basis: torch.Tensor | None = None  # (groups, group_dim, rank) int8 (or float16)
         self.basis_scale: torch.Tensor | None = None  # (groups, rank) float16; None for an fp16 basis
@@ -130,21 +122,6 @@ class PCAKeyCodec(Codec):
         self.segments: tuple[tuple[int, int], ...] = ()  # (components, bits) of consecutive kept components
 
     # -- RoPE and layout -----------------------------------------------------------------------
-    def set_rope(self, inv_freq: torch.Tensor, attention_scaling: float = 1.0) -> None:
-        if inv_freq.shape != (self.head_dim // 2,):
-            raise ValueError(f"inv_freq must have shape ({self.head_dim // 2},), got {tuple(inv_freq.shape)}")
-        self.rope = _Rope(inv_freq.detach().float().cpu(), float(attention_scaling))
-        self.rope_set = True
-
-    def _cos_sin(self, positions: torch.Tensor | None, batch: int, tokens: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-        if positions is None:
-            if self.rope_set:
-                raise ValueError("this codec undoes RoPE: pass positions (batch, tokens) to encode/decode/scores")
-            positions = torch.zeros(batch, tokens, dtype=torch.long, device=device)
-        if positions.shape != (batch, tokens):
-            raise ValueError(f"positions must have shape ({batch}, {tokens}), got {tuple(positions.shape)}")
-        return rope_cos_sin(positions, self.rope.inv_freq.to(device), self.rope.scaling)
-
     def _positions(self, positions: torch.Tensor | None, batch: int, tokens: int, device) -> torch.Tensor:
         if positions is None:
             self._cos_sin(None, batch, tokens, device)  # raises when RoPE is set
