@@ -375,6 +375,7 @@ def test_static_cache_greedy_decoding_pad_left(method, attn):
     kwargs = dict(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=10)
     dyn_out, dyn_watch = _reference(f"pad_left_{attn}", model, **kwargs)
     out, watch = _generate(model, kvpack.KVCache(model, method), **kwargs)
+    assert out.sequences.shape == dyn_out.sequences.shape == (2, ids.shape[1] + 10)  # both rows decoded 10 tokens
     _equivalent(out, watch, dyn_out, dyn_watch, method, _left_pads(mask))
 
 

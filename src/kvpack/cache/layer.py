@@ -454,14 +454,12 @@ class KVPackLayer(CacheLayerMixin):
         return self._dequantized("key"), self._dequantized("value")
 
     def _dequantized(self, side: str) -> torch.Tensor:
-        key = side == "key"
-        parts = [self.sink_k if key else self.sink_v]
+        k = side == "key"
+        parts = [self.sink_k if k else self.sink_v]
         for seg in self.segments:
-            if key:
-                parts.append(seg.key_codec.decode(seg.keys, self.positions(seg.start, seg.length)))
-            else:
-                parts.append(seg.value_codec.decode(seg.values, self.positions(seg.start, seg.length)))
-        parts.append(self.win_k if key else self.win_v)
+            codec, packed = (seg.key_codec, seg.keys) if k else (seg.value_codec, seg.values)
+            parts.append(codec.decode(packed, self.positions(seg.start, seg.length)))
+        parts.append(self.win_k if k else self.win_v)
         return torch.cat([p.to(self.dtype) for p in parts], dim=2)
 
     # -- accounting ----------------------------------------------------------------------------
