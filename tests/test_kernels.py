@@ -228,3 +228,69 @@ def test_tq_attention_refuses_too_many_rows():
     cent = lloyd_max_codebook(64, 2).centroids
     with pytest.raises(ValueError, match="up to 16 query rows"):
         cpu_lut.tq_attention(q, None, codes, norm, cent, 2, codes, norm, cent, 2, 1.0)
+
+
+# -- Shard: PCA-coefficient keys + VQ values ---------------------------------------------------
+def _shard_codecs(kv: int, d: int, key_scope: str, value_scope: str, widths, codebook: int, token_norm: bool):
+    """Fitted Shard codecs; `widths` (components, bits) replaces the DP's allocation so every packed
+    width (2, 4, 6, 8 bits, odd counts) reaches the kernel."""
+    from kvpack.codecs.pca import PCAConfig, PCAKeyCodec
+    from kvpack.codecs.vq import VQConfig, VQValueCodec
+
+    kc = PCAKeyCodec(PCAConfig(scope=key_scope), d, kv)
+    kc.set_rope(1.0 / (10000 ** (torch.arange(0, d, 2).float() / d)), 1.25)
+    vc = VQValueCodec(VQConfig(scope=value_scope, codebook_size=codebook, token_norm=token_norm, group_size=4), d, kv)
+    gen = torch.Generator().manual_seed(d)
+    rank = sum(n for n, _ in widths)
+    basis, _ = torch.linalg.qr(torch.randn(kc.groups, kc.group_dim, rank, generator=gen, dtype=torch.float64))
+    scale = (basis.abs().amax(1) / 127).half()
+    state = {
+        "segments": torch.tensor(widths), "mean": torch.randn(kc.groups, kc.group_dim, generator=gen).half(),
+        "basis": (basis / scale.double().unsqueeze(1)).round().clamp(-127, 127).to(torch.int8), "basis_scale": scale,
+        "coef_scale": (torch.rand(kc.groups, rank, generator=gen) + 0.2).half(),
+    }
+    kc.load_state_dict(state)
+    return kc, vc, gen
+
+
+@pytest.mark.parametrize("key_scope,value_scope,widths,codebook,token_norm", [
+    ("layer", "layer", ((16, 4), (16, 4), (9, 4)), 256, True),
+    ("layer", "head", ((5, 2), (7, 6), (3, 8), (9, 4)), 16, False),
+    ("head", "layer", ((4, 4), (3, 2), (1, 8)), 256, True),
+])
+@pytest.mark.parametrize("b,kv,r,d,t", [(1, 3, 3, 64, 1100), (2, 2, 7, 64, 217), (3, 2, 16, 96, 513), (1, 1, 1, 80, 40)])
+def test_pca_vq_attention_matches_decoded_reference(key_scope, value_scope, widths, codebook, token_norm, b, kv, r, d, t):
+    """The fused kernel (keys rebuilt per tile, RoPE by a float64 recurrence) against the codecs' own
+    decode (unpack, basis matmul, RoPE from float32 angles) followed by plain softmax attention."""
+    from kvpack.primitives.rope import apply_rope, rope_cos_sin
+
+    kc, vc, gen = _shard_codecs(kv, d, key_scope, value_scope, widths, codebook, token_norm)
+    cap = t + 29  # segments may be token-narrowed views of larger buffers
+    pos = torch.arange(cap)[None] + torch.randint(0, 3000, (b, 1), generator=gen)  # a different start per batch row
+    cos, sin = rope_cos_sin(pos, kc.rope.inv_freq, kc.rope.scaling)
+    keys = apply_rope(torch.randn(b, kv, cap, d, generator=gen) * 2, cos, sin)
+    kp, vp = kc.encode(keys, pos), vc.encode(torch.randn(b, kv, cap, d, generator=gen))
+    codes, idx, norm = kp.codes[:, :, :t], vp.indices[:, :, :t], None if vp.norm is None else vp.norm[:, :, :t]
+    q = torch.randn(b, kv, r, d, generator=gen)
+    m, denom, o = cpu_lut.pca_vq_attention(q, pos[:, 0].contiguous(), kc.kernel_state(), codes, vc.kernel_state(), idx, norm, d**-0.5)
+    k_ref = kc.decode(type(kp)(cap, kp.codes), pos)[:, :, :t]
+    v_ref = vc.decode(type(vp)(cap, vp.indices, vp.norm))[:, :, :t]
+    ref = cpu_lut.partial_reference((q @ k_ref.mT) * d**-0.5, v_ref)
+    out = (vc.kernel_output(o) / denom, m + denom.log())
+    for a, e in zip(out, _normalized(ref), strict=True):
+        # float32 RoPE angles at positions up to ~4K differ from exact phases by ~3e-4 rad
+        assert (a - e).abs().max() <= 2e-3 * (1 + e.abs().max())
+
+
+def test_pca_vq_attention_names_the_problem():
+    kc, vc, gen = _shard_codecs(2, 64, "layer", "layer", ((16, 4),), 256, False)
+    keys, values = torch.randn(1, 2, 8, 64, generator=gen), torch.randn(1, 2, 8, 64, generator=gen)
+    pos = torch.arange(8)[None]
+    kp, vp = kc.encode(keys, pos), vc.encode(values)
+    args = (kc.kernel_state(), kp.codes, vc.kernel_state(), vp.indices, vp.norm, 0.125)
+    with pytest.raises(ValueError, match="up to 16 query rows"):
+        cpu_lut.pca_vq_attention(torch.randn(1, 2, 17, 64), pos[:, 0], *args)
+    with pytest.raises(ValueError, match="k_codes must have shape"):
+        cpu_lut.pca_vq_attention(torch.randn(1, 2, 3, 64), pos[:, 0], kc.kernel_state(), kp.codes[..., :3], *args[2:])
+    with pytest.raises(ValueError, match="does not cover 3 kv heads"):
+        cpu_lut.pca_vq_attention(torch.randn(1, 3, 3, 64), pos[:, 0], *args)

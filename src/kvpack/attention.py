@@ -145,7 +145,8 @@ def fused_decode(layer: KVPackLayer, query: torch.Tensor, scaling: float) -> tor
                 return None
             parts.append(part)
     for seg in layer.segments:
-        parts.append(fused.segment_partial(q, seg, scaling) or _codec_partial(layer, seg, query, scaling))
+        first = lambda seg=seg: layer.positions(seg.start, 1)[:, 0].contiguous()  # noqa: E731
+        parts.append(fused.segment_partial(q, seg, scaling, first) or _codec_partial(layer, seg, query, scaling))
     return ungroup(fused.merge(parts), hq)
 
 

@@ -154,8 +154,19 @@ class Codec(ABC):
             raise ValueError(f"codec {self.name!r} keeps no fitted state, got {sorted(state)}")
 
     def state_nbytes(self) -> int:
-        """Bytes of tensors the codec itself holds (bases, codebooks, rotations)."""
-        return sum(t.numel() * t.element_size() for t in vars(self).values() if isinstance(t, torch.Tensor))
+        """Bytes of tensors the codec itself holds (bases, codebooks, rotations), including derived
+        forms cached for kernels (`_kernel_cache`): memory actually held, each tensor counted once."""
+        seen: dict[int, int] = {}
+        stack = list(vars(self).values())
+        while stack:
+            item = stack.pop()
+            if isinstance(item, torch.Tensor):
+                seen[id(item)] = item.numel() * item.element_size()
+            elif isinstance(item, (tuple, list)):
+                stack.extend(item)
+            elif isinstance(item, dict):
+                stack.extend(item.values())
+        return sum(seen.values())
 
     def nbytes(self, packed: Packed) -> int:
         return packed.nbytes()

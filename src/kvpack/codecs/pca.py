@@ -192,10 +192,43 @@ class PCAKeyCodec(UnRopedKeys, Codec):
         return basis.to(device)
 
     def _qmax(self) -> torch.Tensor:
-        """Largest code magnitude of every stored component `(rank,)`."""
-        return torch.cat(
-            [torch.full((n,), (1 << (bits - 1)) - 1, dtype=torch.float32) for n, bits in self.segments] or [torch.zeros(0)]
-        )
+        """Largest code magnitude of every stored component `(rank,)` (cached: read on every decode step)."""
+        cached = getattr(self, "_qmax_cache", None)
+        if cached is None or cached[0] != self.segments:
+            qmax = [torch.full((n,), (1 << (bits - 1)) - 1, dtype=torch.float32) for n, bits in self.segments]
+            cached = self._qmax_cache = (self.segments, torch.cat(qmax or [torch.zeros(0)]))
+        return cached[1]
+
+    @property
+    def kernel_kind(self) -> str | None:
+        """"pca" once fitted: the fused kernel rebuilds keys tile by tile from the codes (`kernel_state`)."""
+        return "pca" if self.fitted else None
+
+    def kernel_state(self) -> dict:
+        """What `kernels.cpu_lut.pca_vq_attention` reads, derived once per fit: per component the first bit
+        in a packed row, its width and level offset; the basis with both scales folded in, transposed
+        `(groups, rank, group_dim)`; the mean `(groups, group_dim)`; the RoPE frequencies."""
+        cached = getattr(self, "_kernel_cache", None)
+        if cached is not None and cached[0] is self.basis and cached[1] is self.rope:
+            return cached[2]
+        bitpos, bits, byte = [], [], 0
+        for n, b in self.segments:
+            bitpos += [8 * byte + k * b for k in range(n)]
+            bits += [b] * n
+            byte += packed_length(n, b)
+        basis = self._basis() * self.coef_scale.float().unsqueeze(1)  # (groups, group_dim, rank)
+        state = {
+            "bitpos": torch.tensor(bitpos, dtype=torch.int32),
+            "bits": torch.tensor(bits, dtype=torch.uint8),
+            "qmax": self._qmax().contiguous(),
+            "basis_t": basis.transpose(1, 2).contiguous(),
+            "mean": self.mean.float().contiguous(),
+            "inv_freq": self.rope.inv_freq.float().contiguous(),
+            "rope_scale": self.rope.scaling,
+            "row_bytes": byte,
+        }
+        self._kernel_cache = (self.basis, self.rope, state)
+        return state
 
     def fit(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> None:
         """Basis, bit allocation and scales from keys `x (batch, kv_heads, tokens, head_dim)` (RoPE'd)."""

@@ -166,6 +166,22 @@ class VQValueCodec(Codec):
             index = index + (torch.arange(self.kv_heads, device=indices.device) * self.config.codebook_size)[None, :, None, None]
         return codebooks.reshape(-1, self.config.group_size)[index].flatten(-2)
 
+    @property
+    def kernel_kind(self) -> str | None:
+        """"vq" once fitted: the fused kernel gathers codewords per token in L1 (`kernel_state`)."""
+        return "vq" if self.fitted else None
+
+    def kernel_state(self) -> dict:
+        """Codebooks `(1 or kv_heads, entries, group_size)` float32 and the index width, for the fused kernel."""
+        cached = getattr(self, "_kernel_cache", None)
+        if cached is None or cached[0] is not self.codebooks:
+            cached = self._kernel_cache = (self.codebooks, {"books": self.codebooks.float().contiguous(), "bits": self.bits})
+        return cached[1]
+
+    def kernel_output(self, o: torch.Tensor) -> torch.Tensor:
+        """Rotated, channel-normalized `Σ p·v̂` `(b, kv_heads, rows, head_dim)` -> value space (one inverse Hadamard)."""
+        return self._unrotate(o * self.scale.float().to(o.device)[None, :, None])
+
     def decode(self, packed: VQPacked, positions: torch.Tensor | None = None) -> torch.Tensor:
         scale = self.scale.float().to(packed.indices.device)[None, :, None]
         y = self._lookup(packed.indices)

@@ -213,6 +213,43 @@ def dense_attention(q, k, k_scale, v, v_scale, scale: float):
     return tuple(_ext().dense_attention(q, k, ks, v, vs, float(scale)))
 
 
+def pca_vq_attention(q, pos0, keys: dict, k_codes, v_state: dict, v_idx, v_norm, scale: float):
+    """Online-softmax partial over a Shard segment: PCA-coefficient keys (RoPE undone) and VQ values.
+
+    q (B, kv, R <= 16, d) f32, the model's RoPE'd query grouped by kv head; pos0 (B,) i64, the RoPE
+    position of the segment's first token per batch row; `keys` from `PCAKeyCodec.kernel_state()`
+    (bitpos (rank,) i32, bits (rank,) u8, qmax (rank,) f32, basis_t (groups, rank, gdim) f32, mean
+    (groups, gdim) f32, inv_freq (d/2,) f32, rope_scale float, row_bytes int); k_codes (B, groups, T, nbytes) u8;
+    `v_state` from `VQValueCodec.kernel_state()` (books (1 or kv, entries, gsize) f32, bits int);
+    v_idx (B, kv, T, vbytes) u8; v_norm (B, kv, T, 1) f16 or None. Token-narrowed views allowed.
+    Returns m, l (B, kv, R, 1) and o (B, kv, R, d) f32, o in VQ's rotated, channel-normalized space.
+    """
+    q = _check("q", q, torch.float32, (None, None, None, None))
+    b, kv, r, d = q.shape
+    if r > MAX_FUSED_ROWS:
+        raise ValueError(f"pca_vq_attention serves up to {MAX_FUSED_ROWS} query rows per kv head, got {r}")
+    basis_t = _check("basis_t", keys["basis_t"], torch.float32, (None, None, None))
+    groups, rank, gdim = basis_t.shape
+    if groups < 1 or kv % groups or gdim != kv // groups * d:
+        raise ValueError(f"basis_t {tuple(basis_t.shape)} does not cover {kv} kv heads of {d} dims")
+    k_codes = _check_rows("k_codes", k_codes, torch.uint8, (b, groups, None, keys["row_bytes"]))
+    t = k_codes.shape[2]
+    books = _check("books", v_state["books"], torch.float32, (None, None, None))
+    vbits = v_state["bits"]
+    if vbits not in range(1, 9) or d % books.shape[2]:
+        raise ValueError(f"VQ bits must be 1..8 and the group size must divide {d}, got {vbits} and {books.shape[2]}")
+    v_idx = _check_rows("v_idx", v_idx, torch.uint8, (b, kv, t, packed_length(d // books.shape[2], vbits)))
+    norm = torch.empty(0) if v_norm is None else _check_rows("v_norm", v_norm, torch.float16, (b, kv, t, 1))
+    return tuple(
+        _ext().pca_vq_attention(
+            q, _check("pos0", pos0, torch.long, (b,)), _check("inv_freq", keys["inv_freq"], torch.float32, (d // 2,)),
+            float(keys["rope_scale"]), k_codes, _check("bitpos", keys["bitpos"], torch.int32, (rank,)),
+            _check("bits", keys["bits"], torch.uint8, (rank,)), _check("qmax", keys["qmax"], torch.float32, (rank,)),
+            basis_t, _check("mean", keys["mean"], torch.float32, (groups, gdim)), v_idx, int(vbits), norm, books, float(scale),
+        )
+    )
+
+
 MAX_FUSED_ROWS = 16
 
 

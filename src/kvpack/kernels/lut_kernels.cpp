@@ -452,6 +452,222 @@ void dense_attention_impl(const float* q, const KT* k, int64_t k_bh, const at::H
   });
 }
 
+
+// -- Shard: PCA-coefficient keys (RoPE undone) + VQ values --------------------------------------
+//
+// Keys are stored as integer PCA coefficients of un-RoPEd keys, one basis per group of kv heads.
+// Per tile of 8 tokens the kernel rebuilds the group's keys in L1 (levels x basis^T + mean: a
+// micro-GEMM with the basis read once per tile), re-applies RoPE at each key's position with
+// cos/sin advanced by an exact float64 rotation recurrence (anchored per split, no per-token
+// sincos), and dots them with the RoPE'd query. Scoring through the relative-position identity
+// instead costs rows x d x rank per token: (q_heads / kv_heads) times the rebuild. Values are VQ
+// codeword indices in a Hadamard-rotated space: each token row is gathered from the codebook in L1
+// and accumulated with p x norm; the caller applies the channel scale and one inverse Hadamard.
+
+struct Run { int first, n, bits, pos; };  // consecutive components of one width, contiguous bits
+
+struct PCAKeys {
+  std::vector<Run> runs;
+  const uint8_t* codes; int64_t bh_stride; int nbytes;  // (B, groups, T, nbytes) rows
+  const int32_t* bitpos; const float* qmax; int rank;    // per component: first bit in a row, level offset
+  const uint8_t* bits;
+  const float* basis_t; const float* mean;               // (groups, rank, gdim) scaled basis, (groups, gdim)
+  int groups, gdim;
+};
+
+struct VQValues {
+  const uint8_t* idx; int64_t bh_stride; int nbytes, bits;  // (B, kv, T, nbytes) rows
+  const at::Half* norm; int64_t norm_stride;              // (B, kv, T, 1) or null; head stride
+  const float* books; int book_count, entries, gsize;     // (1 or kv, entries, gsize)
+};
+
+constexpr int kTile = 8;  // tokens rebuilt together: the basis is read once per tile
+
+inline int read_code(const uint8_t* row, int nbytes, int bitpos, int bits) {
+  const int byte = bitpos >> 3;
+  int v = row[byte];
+  if (byte + 1 < nbytes) v |= row[byte + 1] << 8;
+  return (v >> (bitpos & 7)) & ((1 << bits) - 1);
+}
+
+// out[i][:] = mean + sum_r lev[i][r] * basis_t[r][:] for kTile tokens. 16-float GCC vector types keep
+// the kTile accumulators of one column block in registers on any x86 level (one zmm or two ymm each).
+typedef float f16v __attribute__((vector_size(64)));
+
+inline f16v load16(const float* p) { f16v v; std::memcpy(&v, p, sizeof(v)); return v; }
+
+void rebuild_tile(const float* lev, int rank, const float* basis_t, const float* mean, int gdim, float* out) {
+  int j = 0;
+  for (; j + 16 <= gdim; j += 16) {
+    const f16v m = load16(mean + j);
+    f16v acc[kTile];
+    for (int i = 0; i < kTile; ++i) acc[i] = m;
+    const float* b = basis_t + j;
+    for (int r = 0; r < rank; ++r, b += gdim) {
+      const f16v bv = load16(b);
+      for (int i = 0; i < kTile; ++i) acc[i] += lev[r * kTile + i] * bv;
+    }
+    for (int i = 0; i < kTile; ++i) std::memcpy(out + i * gdim + j, &acc[i], sizeof(f16v));
+  }
+  for (; j < gdim; ++j)
+    for (int i = 0; i < kTile; ++i) {
+      float a = mean[j];
+      for (int r = 0; r < rank; ++r) a += lev[r * kTile + i] * basis_t[static_cast<int64_t>(r) * gdim + j];
+      out[i * gdim + j] = a;
+    }
+}
+
+// Levels of one packed row into li[r * kTile] (r = component). Byte-aligned runs of 2-, 4- and 8-bit
+// codes take shift-and-mask loops; any other width reads each code through `read_code`.
+std::vector<Run> component_runs(const int32_t* bitpos, const uint8_t* bits, int rank) {
+  std::vector<Run> runs;
+  for (int r = 0; r < rank;) {
+    int n = 1;
+    while (r + n < rank && bits[r + n] == bits[r] && bitpos[r + n] == bitpos[r] + n * bits[r]) ++n;
+    runs.push_back({r, n, bits[r], bitpos[r]});
+    r += n;
+  }
+  return runs;
+}
+
+inline void unpack_levels(const uint8_t* row, const PCAKeys& K, float* li) {
+  for (const Run& run : K.runs) {
+    const int r = run.first, n = run.n, bits = run.bits, pos = run.pos;
+    const uint8_t* src = row + (pos >> 3);
+    if ((pos & 7) == 0 && (bits == 2 || bits == 4 || bits == 8)) {
+      const int per = 8 / bits, mask = (1 << bits) - 1;
+      for (int k = 0; k < n; ++k)
+        li[(r + k) * kTile] = static_cast<float>((src[k / per] >> ((k % per) * bits)) & mask) - K.qmax[r + k];
+    } else {
+      for (int k = 0; k < n; ++k)
+        li[(r + k) * kTile] = static_cast<float>(read_code(row, K.nbytes, pos + k * bits, bits)) - K.qmax[r + k];
+    }
+  }
+}
+
+// In place on one key (d coordinates): x <- x * cos + rotate_half(x) * sin, with cos/sin per pair.
+inline void rope_row(float* x, const float* c, const float* s, int half) {
+  for (int j = 0; j < half; ++j) {
+    const float a = x[j], b = x[j + half];
+    x[j] = a * c[j] - b * s[j];
+    x[j + half] = b * c[j] + a * s[j];
+  }
+}
+
+// Scores of one split [t0, t1) of group g for batch row b into s[(hh * R + r) * n + t].
+void pca_split_scores(const float* q, const PCAKeys& K, int64_t b, int g, int per, int R, int d, int64_t t0, int64_t t1,
+                      int64_t pos0, const double* inv_freq, float rope_scale, float scale, float* s, std::vector<float>& lev,
+                      std::vector<float>& kt, std::vector<double>& rot, std::vector<float>& cs) {
+  const int half = d / 2, rank = K.rank, gdim = K.gdim;
+  const int64_t n = t1 - t0;
+  const uint8_t* codes = K.codes + (b * K.groups + g) * K.bh_stride;
+  const float* basis_t = K.basis_t + static_cast<int64_t>(g) * rank * gdim;
+  const float* mean = K.mean + static_cast<int64_t>(g) * gdim;
+  // Exact phases at the split's first key, then one float64 complex step per token.
+  double* c = rot.data();
+  double* sn = c + half;
+  const double* step_c = sn + half;
+  const double* step_s = step_c + half;
+  for (int j = 0; j < half; ++j) {
+    const double ph = std::fmod(static_cast<double>(pos0 + t0) * inv_freq[j], 2 * M_PI);
+    c[j] = std::cos(ph);
+    sn[j] = std::sin(ph);
+  }
+  for (int64_t tt = 0; tt < n; tt += kTile) {
+    const int cnt = static_cast<int>(std::min<int64_t>(kTile, n - tt));
+    for (int i = 0; i < kTile; ++i) {
+      float* li = lev.data() + i;
+      if (i >= cnt) {
+        for (int r = 0; r < rank; ++r) li[r * kTile] = 0.f;
+        continue;
+      }
+      unpack_levels(codes + (t0 + tt + i) * K.nbytes, K, li);
+    }
+    rebuild_tile(lev.data(), rank, basis_t, mean, gdim, kt.data());
+    for (int i = 0; i < cnt; ++i) {
+      float* ci = cs.data() + i * d;
+      for (int j = 0; j < half; ++j) {
+        ci[j] = static_cast<float>(c[j]) * rope_scale;
+        ci[half + j] = static_cast<float>(sn[j]) * rope_scale;
+        const double nc = c[j] * step_c[j] - sn[j] * step_s[j];
+        sn[j] = sn[j] * step_c[j] + c[j] * step_s[j];
+        c[j] = nc;
+      }
+      for (int hh = 0; hh < per; ++hh) rope_row(kt.data() + i * gdim + hh * d, ci, ci + half, half);
+    }
+    for (int hh = 0; hh < per; ++hh) {
+      const float* kr[4];
+      for (int i0 = 0; i0 < cnt; i0 += 4) {
+        const int c4 = std::min(4, cnt - i0);
+        for (int i = 0; i < 4; ++i) kr[i] = kt.data() + (i0 + std::min(i, c4 - 1)) * gdim + hh * d;
+        for (int r = 0; r < R; ++r) {
+          float dots[4];
+          dot4(q + ((b * K.groups + g) * per + hh) * static_cast<int64_t>(R) * d + r * d, kr, d, dots);
+          for (int i = 0; i < c4; ++i) s[(hh * R + r) * n + tt + i0 + i] = dots[i] * scale;
+        }
+      }
+    }
+  }
+}
+
+// acc[r][:] += sum_t p[r][t] * norm[t] * codeword-row(t) for one kv head over n tokens.
+void vq_accumulate(const float* p, int R, int64_t n, const VQValues& V, const uint8_t* idx, const at::Half* norm, const float* book,
+                   int d, float* acc, float* rows) {
+  const int groups = d / V.gsize;
+  for (int64_t t = 0; t < n; t += 4) {
+    const int c = static_cast<int>(std::min<int64_t>(4, n - t));
+    for (int i = 0; i < 4; ++i) {
+      float* row = rows + i * d;
+      if (i >= c) { std::fill(row, row + d, 0.f); continue; }
+      const uint8_t* src = idx + (t + i) * V.nbytes;
+      for (int gi = 0; gi < groups; ++gi) {
+        const int e = V.bits == 8 ? src[gi] : read_code(src, V.nbytes, gi * V.bits, V.bits);
+        std::memcpy(row + gi * V.gsize, book + static_cast<int64_t>(e) * V.gsize, sizeof(float) * V.gsize);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      float w[4] = {};
+      for (int i = 0; i < c; ++i) w[i] = p[r * n + t + i] * (norm ? static_cast<float>(norm[t + i]) : 1.f);
+      float* __restrict a = acc + r * d;
+      const float *r0 = rows, *r1 = rows + d, *r2 = rows + 2 * d, *r3 = rows + 3 * d;
+      for (int j = 0; j < d; ++j) a[j] += w[0] * r0[j] + w[1] * r1[j] + w[2] * r2[j] + w[3] * r3[j];
+    }
+  }
+}
+
+void pca_vq_attention_impl(const float* q, const PCAKeys& K, const VQValues& V, const int64_t* pos0, const double* inv_freq,
+                           float rope_scale, int64_t B, int kv, int R, int d, int64_t T, float scale, Partials& P) {
+  const int per = kv / K.groups;
+  const int64_t splits = P.splits;
+  const int half = d / 2;
+  std::vector<double> steps(2 * half);
+  for (int j = 0; j < half; ++j) {
+    steps[j] = std::cos(inv_freq[j]);
+    steps[half + j] = std::sin(inv_freq[j]);
+  }
+  at::parallel_for(0, B * K.groups * splits, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> s(static_cast<int64_t>(per) * R * kSplit);
+    std::vector<float> lev(static_cast<int64_t>(kTile) * std::max(K.rank, 1));
+    std::vector<float> kt(static_cast<int64_t>(kTile) * K.gdim);
+    std::vector<double> rot(4 * half);
+    std::vector<float> cs(static_cast<int64_t>(kTile) * d);
+    std::vector<float> rows(4 * static_cast<int64_t>(d));
+    std::copy(steps.begin(), steps.end(), rot.begin() + 2 * half);
+    for (int64_t i = lo; i < hi; ++i) {
+      const int64_t b = i / (K.groups * splits), g = (i / splits) % K.groups, sp = i % splits;
+      const int64_t t0 = sp * kSplit, t1 = std::min(T, t0 + kSplit), n = t1 - t0;
+      pca_split_scores(q, K, b, static_cast<int>(g), per, R, d, t0, t1, pos0[b], inv_freq, rope_scale, scale, s.data(), lev, kt, rot, cs);
+      for (int hh = 0; hh < per; ++hh) {
+        const int64_t h = g * per + hh, bh = b * kv + h, item = bh * splits + sp;
+        float* srow = s.data() + static_cast<int64_t>(hh) * R * n;
+        softmax_rows(srow, n, R, n, P.m.data() + item * R, P.l.data() + item * R);
+        const at::Half* nrm = V.norm ? V.norm + bh * V.norm_stride + t0 : nullptr;
+        const float* book = V.books + (V.book_count == 1 ? 0 : h) * static_cast<int64_t>(V.entries) * V.gsize;
+        vq_accumulate(srow, R, n, V, V.idx + bh * V.bh_stride + t0 * V.nbytes, nrm, book, d, P.o.data() + item * R * d, rows.data());
+      }
+    }
+  });
+}
 }  // namespace
 
 // Entry points: shapes were checked by the launcher; tensors are contiguous.
@@ -558,11 +774,41 @@ std::vector<torch::Tensor> dense_attention(torch::Tensor q, torch::Tensor k, tor
   return out;
 }
 
+// keys: codes (B, groups, T, nbytes) u8 rows; bitpos (rank,) i32; bits (rank,) u8; qmax (rank,) f32;
+// basis_t (groups, rank, gdim) f32 with coefficient and basis scales folded in; mean (groups, gdim) f32.
+// values: idx (B, kv, T, vbytes) u8 rows of vbits-bit indices; norm (B, kv, T, 1) f16 or empty;
+// books (1 or kv, entries, gsize) f32. pos0 (B,) i64: RoPE position of token 0; inv_freq (d/2,) f32.
+std::vector<torch::Tensor> pca_vq_attention(torch::Tensor q, torch::Tensor pos0, torch::Tensor inv_freq, double rope_scale,
+                                            torch::Tensor codes, torch::Tensor bitpos, torch::Tensor bits, torch::Tensor qmax,
+                                            torch::Tensor basis_t, torch::Tensor mean, torch::Tensor idx, int64_t vbits,
+                                            torch::Tensor norm, torch::Tensor books, double scale) {
+  const int64_t B = q.size(0), kv = q.size(1), R = q.size(2), d = q.size(3), T = codes.size(2);
+  auto out = partial_outputs(q, d);
+  const int groups = static_cast<int>(basis_t.size(0));
+  TORCH_CHECK(groups > 0 && kv % groups == 0, "kv heads must be a multiple of the PCA groups");
+  Partials P(B * kv, R, d, split_count(T));
+  if (T > 0) {
+    PCAKeys K{component_runs(bitpos.data_ptr<int32_t>(), bits.data_ptr<uint8_t>(), static_cast<int>(basis_t.size(1))), codes.data_ptr<uint8_t>(), head_stride(codes, "codes"), static_cast<int>(codes.size(3)), bitpos.data_ptr<int32_t>(),
+              qmax.data_ptr<float>(), static_cast<int>(basis_t.size(1)), bits.data_ptr<uint8_t>(), basis_t.data_ptr<float>(),
+              mean.data_ptr<float>(), groups, static_cast<int>(basis_t.size(2))};
+    VQValues V{idx.data_ptr<uint8_t>(), head_stride(idx, "idx"), static_cast<int>(idx.size(3)), static_cast<int>(vbits),
+               norm.numel() ? norm.data_ptr<at::Half>() : nullptr, norm.numel() ? head_stride(norm, "norm") : 0,
+               books.data_ptr<float>(), static_cast<int>(books.size(0)), static_cast<int>(books.size(1)), static_cast<int>(books.size(2))};
+    std::vector<double> freq(d / 2);
+    for (int64_t j = 0; j < d / 2; ++j) freq[j] = inv_freq.data_ptr<float>()[j];
+    pca_vq_attention_impl(q.data_ptr<float>(), K, V, pos0.data_ptr<int64_t>(), freq.data(), static_cast<float>(rope_scale), B,
+                          static_cast<int>(kv), static_cast<int>(R), static_cast<int>(d), T, static_cast<float>(scale), P);
+  }
+  P.merge(out[0].data_ptr<float>(), out[1].data_ptr<float>(), out[2].data_ptr<float>());
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lut_scores", &lut_scores, "TurboQuant scores from a per-unit lookup table of query x centroid partial sums");
   m.def("lut_weighted_sum", &lut_weighted_sum, "TurboQuant probability-weighted centroid sum, rotated space");
   m.def("int8_scores", &int8_scores, "q . int8 codes, per-token scale factored out");
   m.def("int8_weighted_sum", &int8_weighted_sum, "sum_t p * scale * int8 codes");
   m.def("tq_attention", &tq_attention, "online-softmax partial (m, l, o) over a TurboQuant K/V segment, V in the rotated space");
+  m.def("pca_vq_attention", &pca_vq_attention, "online-softmax partial over Shard's PCA-coefficient keys and VQ values (rotated space)");
   m.def("dense_attention", &dense_attention, "online-softmax partial (m, l, o) over int8 (scaled), fp16 or fp32 K/V");
 }
