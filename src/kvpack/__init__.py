@@ -1,10 +1,15 @@
 """kvpack: compressed KV caches for transformers, with attention on the compressed data."""
 
+from . import metrics
 from .attention import disable, enable
 from .cache import KVCache
+from .cache.tracker import AdaptiveThresholds, QualityTracker
 from .registry import DEFAULT_METHOD, CodecSpec, MethodConfig, Tier, get_method, list_methods
 
-__all__ = ["DEFAULT_METHOD", "CodecSpec", "KVCache", "MethodConfig", "Tier", "disable", "enable", "get_method", "list_methods", "load_model"]
+__all__ = [
+    "DEFAULT_METHOD", "AdaptiveThresholds", "CodecSpec", "KVCache", "MethodConfig", "QualityTracker", "Tier", "disable", "enable",
+    "get_method", "list_methods", "load_model", "metrics",
+]
 __version__ = "0.1.0"
 
 

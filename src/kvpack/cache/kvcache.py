@@ -9,6 +9,7 @@ from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
 
 from ..registry import DEFAULT_METHOD, CodecSpec, MethodConfig, get_method
 from .layer import DEBUG, KVPackLayer, deepcopy_sharing
+from .tracker import QualityTracker
 
 # Architectures whose attention modules were verified to call `past_key_values.update` with
 # post-RoPE keys and dispatch through AttentionInterface (transformers 5.x).
@@ -121,10 +122,13 @@ class KVCache(Cache):
     "kivi:2", "shard", ...) or a `MethodConfig`. Layer kinds are read from the config as
     `DynamicCache(config=...)` reads them (`layer_kinds`): sliding-window layers (Gemma3's local
     layers, every layer of a Mistral-style config with `sliding_window` and no `layer_types`) keep
-    transformers' own bounded window; every full-attention layer is compressed.
+    transformers' own bounded window; every full-attention layer is compressed. tracker: a
+    `QualityTracker` to measure codec fidelity on flushed blocks (see `track`).
     """
 
-    def __init__(self, model_or_config, method: str | MethodConfig = DEFAULT_METHOD, allow_untested: bool = False):
+    def __init__(
+        self, model_or_config, method: str | MethodConfig = DEFAULT_METHOD, allow_untested: bool = False, tracker: QualityTracker | None = None
+    ):
         config, text = _text_config(model_or_config)
         model_type = getattr(text, "model_type", "?")
         if model_type not in SUPPORTED_MODEL_TYPES and not allow_untested:
@@ -162,8 +166,21 @@ class KVCache(Cache):
         super().__init__(layers=layers)
         self._journal: list[tuple[object, dict]] = []  # (layer, snapshot) of the running forward
         self._last_layer = -1
+        self.tracker: QualityTracker | None = None
+        if tracker is not None:
+            self.track(tracker)
         if model is not None:
             _watch_attention_mask(model)
+
+    def track(self, tracker: QualityTracker | None) -> QualityTracker | None:
+        """Report every block a compressed layer encodes to `tracker` (None stops tracking); returns it."""
+        self.tracker = tracker
+        for layer in self.layers:
+            if isinstance(layer, KVPackLayer):
+                vars(layer).pop("tracker", None)  # untracked layers keep the class default, so their attributes stay as saved
+                if tracker is not None:
+                    layer.tracker = tracker
+        return tracker
 
     # -- all layers of one forward, or none --------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):

@@ -112,6 +112,7 @@ class KVPackLayer(CacheLayerMixin):
 
     is_sliding = False
     is_croppable = True
+    tracker = None  # a kvpack.cache.tracker.QualityTracker, set by KVCache.track; told of every flushed block
 
     def __init__(self, method: MethodConfig, layer_idx: int, model_config=None, rope: tuple[torch.Tensor, float] | None = None):
         super().__init__()
@@ -364,6 +365,8 @@ class KVPackLayer(CacheLayerMixin):
                 done += m
         self._store(kind, k[:, :, done:], v[:, :, done:], start + done)
         self.win_k, self.win_v = self.win_k[:, :, n:].contiguous(), self.win_v[:, :, n:].contiguous()
+        if self.tracker is not None:  # the only moment the block's originals sit next to its encoding
+            self.tracker.on_flush(self, k, v, start)
         self._demote()
 
     def _store(self, kind: str, k: torch.Tensor, v: torch.Tensor, start: int) -> None:

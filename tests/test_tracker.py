@@ -1,0 +1,291 @@
+"""The quality tracker (errors checked against attention recomputed here over independently decoded blocks),
+the adaptive boundary (converging on a synthetic error curve whose right boundary is known), thresholds
+files, and moving a live cache's boundary."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import kvpack
+from kvpack.cache import KVPackLayer
+from kvpack.cache.tracker import (
+    AdaptiveConfig,
+    AdaptiveThresholds,
+    QualityTracker,
+    Thresholds,
+    ThresholdsFileError,
+    apply_boundary,
+    load_or_default,
+    load_thresholds,
+    save_thresholds,
+)
+from kvpack.codecs.kivi import KiviCodec, KiviConfig
+from kvpack.registry import get_method
+
+SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=4, max_position_embeddings=4096)
+
+
+class _Cfg:
+    _attn_implementation = "sdpa"
+
+
+def _layer(method, tracker: QualityTracker | None) -> KVPackLayer:
+    layer = KVPackLayer(get_method(method), 0, _Cfg())
+    layer.tracker = tracker
+    return layer
+
+
+def _feed(layer: KVPackLayer, tokens: int, chunk: int, g: torch.Generator, d: int = 64) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Update `layer` with `tokens` random tokens, `chunk` at a time; returns all K, V and how many updates encoded tokens."""
+    ks, vs, encoding_updates = [], [], 0
+    for _ in range(tokens // chunk):
+        before = sum(seg.length for seg in layer.segments)
+        ks.append(torch.randn(1, 2, chunk, d, generator=g))
+        vs.append(torch.randn(1, 2, chunk, d, generator=g))
+        layer.update(ks[-1], vs[-1])
+        encoding_updates += sum(seg.length for seg in layer.segments) > before
+    return torch.cat(ks, 2), torch.cat(vs, 2), encoding_updates
+
+
+def _tiny():
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, num_key_value_heads=2, **SMALL)).eval()
+
+
+# -- tracker ----------------------------------------------------------------------------------------
+def test_error_equals_attention_recomputed_over_the_independently_decoded_block():
+    tracker = QualityTracker(1.0, probes=4)
+    layer = _layer("kivi:2", tracker)
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(1, 2, 300, 64, generator=g), torch.randn(1, 2, 300, 64, generator=g)
+    layer.update(k, v)
+    # 4 sinks; KIVI's 32-token key groups leave 224 of the 232 overflowing tokens encoded: [4, 228).
+    (sample,) = tracker.samples
+    assert (sample.layer, sample.tier, sample.start, sample.tokens) == (0, "stream", 4, 224)
+    x_k, x_v = k[:, :, 4:228].half().float(), v[:, :, 4:228].half().float()  # the window stores fp16
+    kc, vc = KiviCodec(KiviConfig(bits=2, axis="channel"), 64, 2), KiviCodec(KiviConfig(bits=2, axis="token"), 64, 2)
+    probe = k[:, :, -4:].half().float()  # the newest keys: the last 4 tokens, still in the window
+    exact = F.scaled_dot_product_attention(probe, x_k, x_v)
+    approx = F.scaled_dot_product_attention(probe, kc.decode(kc.encode(x_k)), vc.decode(vc.encode(x_v)))
+    assert sample.error == pytest.approx(float((exact - approx).norm() / exact.norm()), rel=1e-5)
+
+
+def test_lossless_codec_measures_zero_and_every_encoding_flush_is_sampled():
+    tracker = QualityTracker(1.0)
+    layer = _layer("fp16", tracker)  # fp16 has no window: the probes fall back to the block's own keys
+    _, _, encoding_updates = _feed(layer, 640, 8, torch.Generator().manual_seed(1))
+    assert encoding_updates == 10 == tracker.flushes  # 64-token blocks out of 640 tokens
+    assert len(tracker.samples) == 10 and all(s.error == 0.0 for s in tracker.samples)
+
+
+def test_sampling_follows_the_seeded_stream_at_the_configured_fraction():
+    method = get_method("int8").with_options(window=8, block_size=8)
+    picked = {}
+    for seed in (3, 3, 4):
+        tracker = QualityTracker(0.25, seed=seed)
+        layer = KVPackLayer(method, 0, _Cfg())
+        layer.tracker = tracker
+        _feed(layer, 8 * 201, 8, torch.Generator().manual_seed(0))
+        picked.setdefault(seed, []).append([s.start for s in tracker.samples])
+        # Flush i (from 0) is sampled when the i-th draw of random.Random(seed) is below the fraction.
+        rng = random.Random(seed)
+        draws = [rng.random() < 0.25 for _ in range(tracker.flushes)]
+        assert len(tracker.samples) == sum(draws)
+        assert abs(sum(draws) - 0.25 * tracker.flushes) <= 4 * math.sqrt(tracker.flushes * 0.25 * 0.75)
+    assert picked[3][0] == picked[3][1] != picked[4][0]
+
+
+def test_tiers_and_layers_keep_running_means_and_fewer_bits_err_more():
+    model, tracker = _tiny(), QualityTracker(1.0)
+    cache = kvpack.KVCache(model, "tiered:512", tracker=tracker)
+    with torch.no_grad():
+        model(torch.randint(0, 128, (1, 1500), generator=torch.Generator().manual_seed(0)), past_key_values=cache)
+    tiers = {t.tier: t for t in tracker.tiers()}
+    assert set(tiers) == {"tier1", "stream"}  # the long prompt's old part went straight to the archive
+    for name, stat in tiers.items():
+        errors = [s.error for s in tracker.samples if s.tier == name]
+        assert stat.samples == len(errors) == 2 and stat.mean_error == pytest.approx(sum(errors) / len(errors))
+        assert stat.max_error == max(errors)
+    assert tiers["tier1"].mean_error > tiers["stream"].mean_error  # KIVI 2-bit archive vs 4-bit warm
+    assert [layer.layer for layer in tracker.layers()] == [0, 1]
+
+
+def test_demotions_are_not_sampled():
+    tracker = QualityTracker(1.0)
+    layer = _layer("tiered:512", tracker)
+    g = torch.Generator().manual_seed(2)
+    layer.update(torch.randn(1, 2, 300, 64, generator=g), torch.randn(1, 2, 300, 64, generator=g))
+    _, _, encoding_updates = _feed(layer, 900, 1, g)
+    assert layer.segments[0].kind == "tier1" and layer.segments[0].length > 0  # blocks were demoted ...
+    assert {s.tier for s in tracker.samples} == {"stream"}  # ... but only encodes from the window were measured
+    assert len(tracker.samples) == tracker.flushes == encoding_updates + 1
+
+
+def test_tracking_leaves_the_cache_unchanged():
+    ids = torch.randint(0, 128, (1, 700), generator=torch.Generator().manual_seed(3))
+    model = _tiny()
+    caches = [kvpack.KVCache(model, "tiered:512"), kvpack.KVCache(model, "tiered:512", tracker=QualityTracker(1.0))]
+    with torch.no_grad():
+        for cache in caches:
+            model(ids, past_key_values=cache)
+    for plain, tracked in zip(caches[0].layers, caches[1].layers, strict=True):
+        for a, b in zip(plain.dequantized(), tracked.dequantized(), strict=True):
+            assert torch.equal(a, b)
+
+
+def test_track_attaches_detaches_and_survives_deepcopy():
+    model, tracker = _tiny(), QualityTracker(1.0)
+    cache = kvpack.KVCache(model, "int8")
+    assert cache.track(tracker) is tracker and all(layer.tracker is tracker for layer in cache.layers)
+    with torch.no_grad():
+        model(torch.randint(0, 128, (1, 300)), past_key_values=cache)
+    copied = copy.deepcopy(cache)
+    assert copied.tracker is not tracker and copied.layers[0].tracker is copied.tracker
+    assert copied.tracker.samples == tracker.samples
+    cache.track(None)
+    assert all("tracker" not in vars(layer) for layer in cache.layers)  # the layer's saved attributes are unchanged
+    with torch.no_grad():
+        model(torch.randint(0, 128, (1, 200)), past_key_values=cache)
+    assert len(tracker.samples) == 2  # one prompt flush per layer, nothing after detaching
+
+
+def test_tracker_options_are_validated():
+    with pytest.raises(ValueError, match=r"fraction must be a number in \(0, 1\]"):
+        QualityTracker(0)
+    with pytest.raises(ValueError, match="probes must be an int >= 1"):
+        QualityTracker(0.5, probes=0)
+
+
+# -- adaptive boundary ----------------------------------------------------------------------------------
+def _error_at(boundary: int) -> float:
+    """Synthetic expected error: falls as the boundary rises (more tokens stay in the precise tier)."""
+    return 0.01 + 0.2 * math.exp(-boundary / 300)
+
+
+def _run(controller: AdaptiveThresholds, samples: int, rng: random.Random, curve=_error_at, noise: float = 0.1) -> list[int]:
+    return [controller.observe(max(0.0, curve(controller.boundary) * (1 + noise * rng.gauss(0, 1)))) for _ in range(samples)]
+
+
+def test_boundary_converges_to_the_known_right_boundary_within_100_samples():
+    config = AdaptiveConfig(0.0314, block_size=64, min_after=128, max_after=2048)
+    # The right boundary: the smallest grid point whose expected error is at most the target. The target sits
+    # midway between the errors at 640 (0.0337) and 704 (0.0291), so each side is 0.0023 = ~0.8 noise sd away.
+    right = next(b for b in range(128, 2049, 64) if _error_at(b) <= 0.0314)
+    assert right == 704
+    for seed in range(50):
+        controller = AdaptiveThresholds(config, initial=512)
+        history = _run(controller, 300, random.Random(seed))
+        assert history[99] == right and set(history[99:]) == {right}, seed  # there at sample 100, and stays
+        assert controller.converged
+
+
+def test_boundary_moves_up_when_above_target_and_down_when_below():
+    config = AdaptiveConfig(0.05, block_size=64, min_after=128, max_after=1024)
+    up, down = AdaptiveThresholds(config, 512), AdaptiveThresholds(config, 512)
+    rng = random.Random(0)
+    ups = _run(up, 100, rng, curve=lambda b: 0.08)  # above target at every boundary: as precise as allowed
+    downs = _run(down, 100, rng, curve=lambda b: 0.02)  # below everywhere: as compressed as allowed
+    assert ups == sorted(ups) and ups[-1] == 1024 and up.converged
+    assert downs == sorted(downs, reverse=True) and downs[-1] == 128 and down.converged
+
+
+def test_converged_boundary_moves_up_again_when_the_error_rises():
+    config = AdaptiveConfig(0.0314, block_size=64, min_after=128, max_after=2048)
+    controller = AdaptiveThresholds(config, 512)
+    rng = random.Random(1)
+    assert _run(controller, 100, rng)[-1] == 704
+
+    def harder(b: int) -> float:  # the text got harder: 1.5x the error everywhere
+        return 1.5 * _error_at(b)
+
+    right = next(b for b in range(128, 2049, 64) if harder(b) <= 0.0314)
+    assert _run(controller, 200, rng, curve=harder)[-1] == right > 704
+
+
+def test_adaptive_config_is_validated_and_derived_from_the_method():
+    with pytest.raises(ValueError, match="target_error must be a positive finite number"):
+        AdaptiveConfig(0.0)
+    with pytest.raises(ValueError, match="multiples of block_size"):
+        AdaptiveConfig(0.05, block_size=64, min_after=100)
+    with pytest.raises(ValueError, match="min_samples"):
+        AdaptiveConfig(0.05, min_samples=30, max_samples=20)
+    config = AdaptiveConfig.for_method(get_method("tiered:512"), 0.05, max_after=1000)
+    assert (config.min_after, config.max_after, config.block_size) == (128, 960, 64)  # window 64 + block 64
+    with pytest.raises(ValueError, match="no older tier"):
+        AdaptiveConfig.for_method(get_method("kivi:4"), 0.05)
+    with pytest.raises(ValueError, match="finite number >= 0"):
+        AdaptiveThresholds(config).observe(float("nan"))
+
+
+# -- thresholds files -----------------------------------------------------------------------------------
+def test_thresholds_round_trip_and_resume(tmp_path):
+    path = tmp_path / "smollm2.json"
+    saved = Thresholds(boundary=704, target_error=0.0314, block_size=64, samples=61, converged=True)
+    save_thresholds(path, "HuggingFaceTB/SmolLM2-135M", saved)
+    on_disk = json.loads(path.read_text())
+    assert on_disk["model_id"] == "HuggingFaceTB/SmolLM2-135M" and on_disk["thresholds"]["boundary"] == 704
+    loaded = load_thresholds(path, "HuggingFaceTB/SmolLM2-135M")
+    assert loaded == saved
+    resumed = AdaptiveThresholds.resume(AdaptiveConfig(0.0314, max_after=2048), loaded)
+    assert resumed.boundary == 704 and resumed.converged and resumed.thresholds() == saved
+
+
+def test_thresholds_file_problems_name_the_path(tmp_path):
+    path = tmp_path / "t.json"
+    with pytest.raises(FileNotFoundError, match=f"{path}: no thresholds file"):
+        load_thresholds(path, "m")
+    path.write_text('{"format": "kvpack-thresholds", "vers')
+    with pytest.raises(ThresholdsFileError, match=f"{path}: corrupted thresholds file: not JSON"):
+        load_thresholds(path, "m")
+    save_thresholds(path, "other/model", Thresholds(512, 0.05, 64))
+    with pytest.raises(ThresholdsFileError, match=f"{path}: thresholds saved for model 'other/model', not 'm'"):
+        load_thresholds(path, "m")
+    data = json.loads(path.read_text())
+    data["thresholds"]["boundary"] = 500  # not a multiple of the block
+    path.write_text(json.dumps(data))
+    with pytest.raises(ThresholdsFileError, match="corrupted thresholds file: boundary must be a multiple"):
+        load_thresholds(path, "other/model")
+    default = Thresholds(512, 0.05, 64)
+    with pytest.warns(RuntimeWarning, match=f"{path}: corrupted .* using the default thresholds"):
+        assert load_or_default(path, "other/model", default) == default
+    with pytest.warns(RuntimeWarning, match="no thresholds file"):
+        assert load_or_default(tmp_path / "missing.json", "m", default) == default
+
+
+# -- a live cache ---------------------------------------------------------------------------------------
+def _step(cache: kvpack.KVCache, g: torch.Generator, tokens: int = 1) -> None:
+    for idx in range(len(cache.layers)):
+        cache.update(torch.randn(1, 2, tokens, 16, generator=g), torch.randn(1, 2, tokens, 16, generator=g), idx)
+
+
+def test_apply_boundary_moves_only_blocks_not_yet_demoted():
+    config = LlamaConfig(num_hidden_layers=2, num_key_value_heads=2, **SMALL)
+    cache, g = kvpack.KVCache(config, "tiered:512"), torch.Generator().manual_seed(4)
+    _step(cache, g, 300)
+    for _ in range(700):
+        _step(cache, g)
+    layer = cache.layers[0]
+    archived = (layer.segments[0].start, layer.segments[0].length)
+    assert layer.segments[0].kind == "tier1" and archived[0] + archived[1] <= 1000 - 512
+    apply_boundary(cache, 768)
+    assert cache.method.tiers[0].after == 768 and all(x.method is cache.method for x in cache.layers)
+    for _ in range(100):  # tokens 1000..1099: nothing older than 768 lies beyond the archive's end (>= 1000 - 512 - 96)
+        _step(cache, g)
+    assert (layer.segments[0].start, layer.segments[0].length) == archived  # archived blocks stay, none are added
+    apply_boundary(cache, 256)
+    for _ in range(64):  # the next block flush demotes every warm block past 256
+        _step(cache, g)
+    archive = layer.segments[0]
+    assert archive.start + archive.length <= layer.length - 256 < archive.start + archive.length + 64 + 32
+    with pytest.raises(ValueError, match="multiples of block_size"):
+        apply_boundary(cache, 300)
+    with pytest.raises(ValueError, match="no older tier"):
+        apply_boundary(kvpack.KVCache(config, "kivi:4"), 256)
