@@ -294,3 +294,17 @@ def test_pca_vq_attention_names_the_problem():
         cpu_lut.pca_vq_attention(torch.randn(1, 2, 3, 64), pos[:, 0], kc.kernel_state(), kp.codes[..., :3], *args[2:])
     with pytest.raises(ValueError, match="does not cover 3 kv heads"):
         cpu_lut.pca_vq_attention(torch.randn(1, 3, 3, 64), pos[:, 0], *args)
+
+
+@pytest.mark.parametrize("b,h,r,d", [(1, 3, 3, 64), (2, 2, 7, 80)])
+def test_merge_partials_equals_softmax_over_all_tokens(b, h, r, d):
+    """Partials of disjoint token ranges (one fully masked) merge into exact softmax attention over all of them."""
+    from kvpack.kernels import fused
+
+    gen = torch.Generator().manual_seed(r)
+    s, v = torch.randn(b, h, r, 300, generator=gen) * 4, torch.randn(b, h, 300, d, generator=gen)
+    s[..., 100:140] = float("-inf")  # a masked part: l = 0, contributes nothing
+    cuts = [(0, 100), (100, 140), (140, 141), (141, 300)]
+    parts = [cpu_lut.partial_reference(s[..., a:z], v[:, :, a:z]) for a, z in cuts]
+    expected = torch.softmax(s, -1) @ v
+    assert (fused.merge(parts) - expected).abs().max() <= 1e-5 * (1 + expected.abs().max())

@@ -166,14 +166,20 @@ def _check_rows(name: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple) ->
     return t
 
 
-def tq_attention(q_rot, row_offset, k_codes, k_norm, k_cent, k_bits: int, v_codes, v_norm, v_cent, v_bits: int, scale: float):
+def tq_attention(q_rot, row_offset, k_codes, k_norm, k_cent, k_bits: int, v_codes, v_norm, v_cent, v_bits: int, scale: float,
+                 validate: bool = True):
     """Online-softmax partial over a TurboQuant K/V segment, V accumulated in its rotated space.
 
     q_rot (B, H, R <= 16, d) f32 (query rotated and scaled for the key codec); row_offset (B, H, R, 1)
     f32 or None, added to raw scores (the key mean's q·μ); codes/norms (B, H, T, ·) as the codecs
     store them (token-narrowed views allowed); s = scale · (norm·<q_rot, c[code]> + row_offset).
     Returns m, l (B, H, R, 1) and o (B, H, R, d) f32: max score, Σ exp(s - m), Σ exp(s - m)·v̂_rot.
+    `validate=False` (the cache's own decode calls, whose codecs built these tensors) skips the Python
+    checks, ~10 us per call; the C++ side still checks layouts.
     """
+    if not validate:
+        off = torch.empty(0) if row_offset is None else row_offset
+        return tuple(_ext().tq_attention(q_rot, off, k_codes, k_norm, k_cent, k_bits, v_codes, v_norm, v_cent, v_bits, float(scale)))
     q_rot = _check("q_rot", q_rot, torch.float32, (None, None, None, None))
     b, h, r, d = q_rot.shape
     if r > MAX_FUSED_ROWS:
@@ -195,12 +201,16 @@ def tq_attention(q_rot, row_offset, k_codes, k_norm, k_cent, k_bits: int, v_code
 DENSE_DTYPES = (torch.int8, torch.float16, torch.float32)
 
 
-def dense_attention(q, k, k_scale, v, v_scale, scale: float):
+def dense_attention(q, k, k_scale, v, v_scale, scale: float, validate: bool = True):
     """Online-softmax partial over dense K/V: int8 with per-token fp16 scales, or fp16/fp32 (scales None).
 
     q (B, H, R, d) f32 (any R); k (B, H, T, d), v (B, H, T, dv) of one dtype in DENSE_DTYPES (token-narrowed
     views allowed); k_scale, v_scale (B, H, T, 1) f16 or None. Returns m, l (B, H, R, 1), o (B, H, R, dv) f32.
+    `validate=False`: as in `tq_attention`.
     """
+    if not validate:
+        none = torch.empty(0)
+        return tuple(_ext().dense_attention(q, k, none if k_scale is None else k_scale, v, none if v_scale is None else v_scale, float(scale)))
     q = _check("q", q, torch.float32, (None, None, None, None))
     b, h, _, d = q.shape
     if not isinstance(k, torch.Tensor) or k.dtype not in DENSE_DTYPES or v.dtype != k.dtype:
@@ -213,7 +223,7 @@ def dense_attention(q, k, k_scale, v, v_scale, scale: float):
     return tuple(_ext().dense_attention(q, k, ks, v, vs, float(scale)))
 
 
-def pca_vq_attention(q, pos0, keys: dict, k_codes, v_state: dict, v_idx, v_norm, scale: float):
+def pca_vq_attention(q, pos0, keys: dict, k_codes, v_state: dict, v_idx, v_norm, scale: float, validate: bool = True):
     """Online-softmax partial over a Shard segment: PCA-coefficient keys (RoPE undone) and VQ values.
 
     q (B, kv, R <= 16, d) f32, the model's RoPE'd query grouped by kv head; pos0 (B,) i64, the RoPE
@@ -223,7 +233,13 @@ def pca_vq_attention(q, pos0, keys: dict, k_codes, v_state: dict, v_idx, v_norm,
     `v_state` from `VQValueCodec.kernel_state()` (books (1 or kv, entries, gsize) f32, bits int);
     v_idx (B, kv, T, vbytes) u8; v_norm (B, kv, T, 1) f16 or None. Token-narrowed views allowed.
     Returns m, l (B, kv, R, 1) and o (B, kv, R, d) f32, o in VQ's rotated, channel-normalized space.
+    `validate=False`: as in `tq_attention`.
     """
+    if not validate:
+        norm = torch.empty(0) if v_norm is None else v_norm
+        return tuple(_ext().pca_vq_attention(q, pos0, keys["inv_freq"], float(keys["rope_scale"]), k_codes, keys["bitpos"], keys["bits"],
+                                             keys["qmax"], keys["basis_t"], keys["mean"], v_idx, int(v_state["bits"]), norm,
+                                             v_state["books"], float(scale)))
     q = _check("q", q, torch.float32, (None, None, None, None))
     b, kv, r, d = q.shape
     if r > MAX_FUSED_ROWS:
@@ -248,6 +264,12 @@ def pca_vq_attention(q, pos0, keys: dict, k_codes, v_state: dict, v_idx, v_norm,
             basis_t, _check("mean", keys["mean"], torch.float32, (groups, gdim)), v_idx, int(vbits), norm, books, float(scale),
         )
     )
+
+
+def merge_partials(ms: list[torch.Tensor], ls: list[torch.Tensor], os_: list[torch.Tensor]) -> torch.Tensor:
+    """Normalized attention `(B, H, R, d)` f32 from parts' partials m, l `(B, H, R, 1)`, o `(B, H, R, d)` f32:
+    `Σ_i e^(m_i - M) o_i / Σ_i e^(m_i - M) l_i` with `M = max_i m_i` (one call instead of ~10 torch ops)."""
+    return _ext().merge_partials(list(ms), list(ls), list(os_))
 
 
 MAX_FUSED_ROWS = 16

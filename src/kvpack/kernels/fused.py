@@ -9,9 +9,14 @@ log-sum-exp, as split-K flash decoding merges its splits.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from . import cpu_lut
+
+# The cache's own calls skip the launchers' Python checks (its codecs built the tensors); KVPACK_DEBUG=1 restores them.
+VALIDATE = os.environ.get("KVPACK_DEBUG", "") == "1"
 
 Partial = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # m, l (b, kv, rows, 1); o (b, kv, rows, d_v)
 
@@ -20,7 +25,7 @@ def exact_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     """Uncompressed rows (sinks, window) `(b, kv, t, d)` in fp16 or fp32; None for other dtypes."""
     if k.dtype not in (torch.float16, torch.float32):
         return None
-    return cpu_lut.dense_attention(q, k, None, v, None, scale)
+    return cpu_lut.dense_attention(q, k, None, v, None, scale, validate=VALIDATE)
 
 
 def segment_partial(q: torch.Tensor, seg, scale: float, first_position=None) -> Partial | None:
@@ -35,27 +40,21 @@ def segment_partial(q: torch.Tensor, seg, scale: float, first_position=None) -> 
         q_rot, offset = kc.kernel_query(q)
         m, denom, o = cpu_lut.tq_attention(
             q_rot, offset, keys.codes, keys.norm, kc.codebook.centroids, kc.mse_bits,
-            values.codes, values.norm, vc.codebook.centroids, vc.mse_bits, scale,
+            values.codes, values.norm, vc.codebook.centroids, vc.mse_bits, scale, validate=VALIDATE,
         )
         return m, denom, vc.kernel_output(o, denom)
     if kind == ("pca", "vq") and first_position is not None:
         m, denom, o = cpu_lut.pca_vq_attention(
-            q, first_position(), kc.kernel_state(), seg.keys.codes, vc.kernel_state(), seg.values.indices, seg.values.norm, scale
+            q, first_position(), kc.kernel_state(), seg.keys.codes, vc.kernel_state(), seg.values.indices, seg.values.norm, scale, validate=VALIDATE
         )
         return m, denom, vc.kernel_output(o)
     if kind == ("int8", "int8"):
         keys, values = seg.keys, seg.values
-        return cpu_lut.dense_attention(q, keys.codes, keys.scale, values.codes, values.scale, scale)
+        return cpu_lut.dense_attention(q, keys.codes, keys.scale, values.codes, values.scale, scale, validate=VALIDATE)
     return None
 
 
 def merge(parts: list[Partial]) -> torch.Tensor:
-    """Normalized attention output `(b, kv, rows, d_v)` from the parts' partials."""
-    if len(parts) == 1:
-        _, denom, o = parts[0]
-        return o / denom.clamp_min(1e-30)
-    ms = torch.cat([p[0] for p in parts], dim=-1)  # (b, kv, rows, parts)
-    w = torch.exp(ms - ms.amax(-1, keepdim=True))
-    total = (w * torch.cat([p[1] for p in parts], dim=-1)).sum(-1, keepdim=True)
-    out = (torch.stack([p[2] for p in parts], dim=-1) @ w.unsqueeze(-1)).squeeze(-1)
-    return out / total.clamp_min(1e-30)
+    """Normalized attention output `(b, kv, rows, d_v)` from the parts' partials (one C++ call)."""
+    return cpu_lut.merge_partials([p[0] for p in parts], [p[1] for p in parts], [p[2] for p in parts])
+

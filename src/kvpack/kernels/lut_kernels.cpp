@@ -722,6 +722,8 @@ int64_t head_stride(const torch::Tensor& t, const char* name) {
 std::vector<torch::Tensor> tq_attention(torch::Tensor q, torch::Tensor row_offset, torch::Tensor k_codes, torch::Tensor k_norm,
                                         torch::Tensor k_cent, int64_t k_bits, torch::Tensor v_codes, torch::Tensor v_norm,
                                         torch::Tensor v_cent, int64_t v_bits, double scale) {
+  q = q.contiguous();
+  if (row_offset.numel()) row_offset = row_offset.contiguous();
   const int64_t B = q.size(0), H = q.size(1), R = q.size(2), d = q.size(3), T = k_codes.size(2);
   TORCH_CHECK(R <= 16, "tq_attention serves up to 16 query rows per kv head, got ", R);
   const Layout KL = make_layout(static_cast<int>(k_bits), static_cast<int>(d));
@@ -758,6 +760,7 @@ void dense_dispatch(const torch::Tensor& q, const torch::Tensor& k, const torch:
 
 std::vector<torch::Tensor> dense_attention(torch::Tensor q, torch::Tensor k, torch::Tensor k_scale, torch::Tensor v, torch::Tensor v_scale,
                                            double scale) {
+  q = q.contiguous();
   const int64_t B = q.size(0), H = q.size(1), R = q.size(2), T = k.size(2), dv = v.size(3);
   TORCH_CHECK(k.scalar_type() == v.scalar_type(), "k and v must share a dtype");
   auto out = partial_outputs(q, dv);
@@ -782,6 +785,8 @@ std::vector<torch::Tensor> pca_vq_attention(torch::Tensor q, torch::Tensor pos0,
                                             torch::Tensor codes, torch::Tensor bitpos, torch::Tensor bits, torch::Tensor qmax,
                                             torch::Tensor basis_t, torch::Tensor mean, torch::Tensor idx, int64_t vbits,
                                             torch::Tensor norm, torch::Tensor books, double scale) {
+  q = q.contiguous();
+  pos0 = pos0.contiguous();
   const int64_t B = q.size(0), kv = q.size(1), R = q.size(2), d = q.size(3), T = codes.size(2);
   auto out = partial_outputs(q, d);
   const int groups = static_cast<int>(basis_t.size(0));
@@ -803,6 +808,34 @@ std::vector<torch::Tensor> pca_vq_attention(torch::Tensor q, torch::Tensor pos0,
   return out;
 }
 
+// Normalized attention (B, H, R, d) from per-part online-softmax partials m, l (B, H, R, 1), o (B, H, R, d):
+// out = sum_i exp(m_i - M) o_i / sum_i exp(m_i - M) l_i, M = max_i m_i (parts with l = 0 contribute nothing).
+torch::Tensor merge_partials(std::vector<torch::Tensor> ms, std::vector<torch::Tensor> ls, std::vector<torch::Tensor> os) {
+  TORCH_CHECK(!ms.empty() && ms.size() == ls.size() && ms.size() == os.size(), "merge_partials needs one (m, l, o) per part");
+  for (auto& t : ms) t = t.contiguous();
+  for (auto& t : ls) t = t.contiguous();
+  for (auto& t : os) t = t.contiguous();
+  const int64_t rows = ms[0].numel(), d = os[0].size(-1);
+  auto out = torch::zeros_like(os[0]);
+  float* dst = out.data_ptr<float>();
+  for (int64_t i = 0; i < rows; ++i) {
+    float mx = -INFINITY;
+    for (const auto& m : ms) mx = std::max(mx, m.data_ptr<float>()[i]);
+    float total = 0.f;
+    for (size_t p = 0; p < ms.size(); ++p) {
+      const float l = ls[p].data_ptr<float>()[i];
+      if (l == 0.f) continue;
+      const float w = std::exp(ms[p].data_ptr<float>()[i] - mx);
+      total += w * l;
+      const float* src = os[p].data_ptr<float>() + i * d;
+      for (int64_t j = 0; j < d; ++j) dst[i * d + j] += w * src[j];
+    }
+    const float inv = 1.f / std::max(total, 1e-30f);
+    for (int64_t j = 0; j < d; ++j) dst[i * d + j] *= inv;
+  }
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lut_scores", &lut_scores, "TurboQuant scores from a per-unit lookup table of query x centroid partial sums");
   m.def("lut_weighted_sum", &lut_weighted_sum, "TurboQuant probability-weighted centroid sum, rotated space");
@@ -810,5 +843,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_weighted_sum", &int8_weighted_sum, "sum_t p * scale * int8 codes");
   m.def("tq_attention", &tq_attention, "online-softmax partial (m, l, o) over a TurboQuant K/V segment, V in the rotated space");
   m.def("pca_vq_attention", &pca_vq_attention, "online-softmax partial over Shard's PCA-coefficient keys and VQ values (rotated space)");
+  m.def("merge_partials", &merge_partials, "normalized attention from per-part (m, l, o) partials, merged by log-sum-exp");
   m.def("dense_attention", &dense_attention, "online-softmax partial (m, l, o) over int8 (scaled), fp16 or fp32 K/V");
 }
