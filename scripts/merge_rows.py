@@ -15,7 +15,10 @@ import argparse
 import json
 from pathlib import Path
 
-PROTOCOL = ("model", "context", "ppl_tokens", "chunk", "needle_lengths", "needle_depths", "text", "dtype", "seed")
+PROTOCOL = (
+    "model", "context", "ppl_tokens", "chunk", "needle_lengths", "needle_depths", "needle_trials", "needle_kinds", "ppl_ci_resamples",
+    "ppl_ci_block", "text", "dtype", "seed",
+)
 
 
 def merge(base: dict, update: dict, source: str) -> dict:

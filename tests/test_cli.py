@@ -20,7 +20,7 @@ def test_eval_writes_table_and_json(tmp_path, capsys):
     assert data["config"]["context"] == 192 and data["config"]["methods"] == ["kivi:4"]
     base, row = data["rows"]
     assert base["method"] == "dynamic" and base["baseline"] and base["ppl_delta_pct"] == 0.0
-    assert row["status"] == "ok" and row["needle_total"] == 1 and len(row["fidelity"]) == 2
+    assert row["status"] == "ok" and row["needle_total"] == 4 and len(row["fidelity"]) == 2
     for key in ("bytes_per_token", "ratio_vs_fp16", "ppl", "ppl_delta_abs", "prefill_tok_s", "decode_tok_s", "decode_ratio", "cosine_min"):
         assert isinstance(row[key], float), key
 

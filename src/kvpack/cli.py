@@ -21,7 +21,10 @@ from pathlib import Path
 from ._optional import MissingDependency, install_hint, missing_message, require
 from .models import DEFAULT_MODEL, MODELS, TINY_MODEL, list_models
 
-DEMO = {"context": 2048, "ppl_tokens": 512, "needle_lengths": [1024], "decode_tokens": 16, "fidelity_steps": 4}
+# The demo runs in CI: one needle length, three depths, one needle of each kind per cell (6 trials per method,
+# ~2.5 s each at 1K tokens on 2 CPU cores); `eval` and `compare` default to the full grid.
+DEMO = {"context": 2048, "ppl_tokens": 512, "needle_lengths": [1024], "needle_depths": [0.0, 0.5, 1.0], "needle_trials": 1,
+        "decode_tokens": 16, "fidelity_steps": 4}
 
 
 def _list(value, cast=str) -> list | None:
@@ -48,8 +51,10 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="model weights and activations")
     p.add_argument("--ppl-tokens", type=int, default=2048, help="tokens scored after the prefix")
     p.add_argument("--chunk", type=int, default=256, help="scored tokens per forward")
-    p.add_argument("--needle-lengths", help="comma-separated prompt lengths (default: context/2,context)")
-    p.add_argument("--needle-depths", default="0.1,0.5,0.9", help="comma-separated needle depths in [0, 1]")
+    p.add_argument("--needle-lengths", help="comma-separated prompt lengths (default: context/4,context/2,context)")
+    p.add_argument("--needle-depths", default="0,0.25,0.5,0.75,1", help="comma-separated needle depths in [0, 1] (0: first tokens, 1: last)")
+    p.add_argument("--needle-trials", type=int, default=2, help="distinct needles of each kind per (length, depth) cell")
+    p.add_argument("--needle-kinds", default="passkey,fact", help="comma-separated: passkey (a 5-digit number), fact (a sentence, scored on its key word)")
     p.add_argument("--no-needle", dest="needle", action="store_false", help="skip needle-in-a-haystack")
     p.add_argument("--decode-tokens", type=int, default=32, help="greedy tokens timed for decode speed")
     p.add_argument("--fidelity-steps", type=int, default=8, help="decode steps compared for attention fidelity")
@@ -190,7 +195,7 @@ def validate(args, subparser: argparse.ArgumentParser) -> None:
     for flag, value, low in [
         ("--context", args.context, 16), ("--ppl-tokens", args.ppl_tokens, 1), ("--chunk", args.chunk, 1),
         ("--decode-tokens", args.decode_tokens, 1), ("--fidelity-steps", args.fidelity_steps, 1),
-        ("--threads", args.threads, 0), ("--seed", args.seed, 0),
+        ("--threads", args.threads, 0), ("--seed", args.seed, 0), ("--needle-trials", args.needle_trials, 1),
     ]:
         if value < low:
             raise ValueError(f"{flag} must be >= {low}, got {value}")
@@ -213,6 +218,14 @@ def validate(args, subparser: argparse.ArgumentParser) -> None:
         check_method(name)
     _check_model(args.model)
     require("tqdm.auto", "kvpack's evaluation (progress bars)")
+    from .eval.needle import KINDS  # after the check above: the evaluation modules need tqdm
+
+    try:
+        kinds = _list(args.needle_kinds)
+    except ValueError as err:
+        raise ValueError(f"--needle-kinds: {err}") from None
+    if not kinds or any(k not in KINDS for k in kinds):
+        raise ValueError(f"--needle-kinds must be comma-separated names from {', '.join(KINDS)}, got {args.needle_kinds!r}")
     if args.json:
         _check_writable("--json", args.json)
     if getattr(args, "plot", None):
@@ -228,6 +241,7 @@ def _eval_config(args, methods: list[str]):
     return EvalConfig(
         model=args.model, methods=methods, context=args.context, ppl_tokens=args.ppl_tokens, chunk=args.chunk,
         needle_lengths=_list(args.needle_lengths, int), needle_depths=_list(args.needle_depths, float), needle=args.needle,
+        needle_trials=args.needle_trials, needle_kinds=_list(args.needle_kinds),
         decode_tokens=args.decode_tokens, fidelity_steps=args.fidelity_steps, text=args.text, dtype=args.dtype, seed=args.seed,
         threads=args.threads,
     )

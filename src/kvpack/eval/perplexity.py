@@ -4,19 +4,23 @@ Protocol: prefill `prefix` tokens into the cache (their logits are not scored), 
 `n_score` tokens in chunks of `chunk`; every scored token's query attends to the compressed prefix
 (and to the earlier chunks as the cache holds them). Token t+1 is scored from the logits at t.
 A single full-window forward would attend to uncompressed keys only and measure nothing.
+
+The per-token NLLs are kept (`PerplexityResult.token_nll`), so two runs on the same tokens can be
+compared pairwise: `delta_ci` puts a paired bootstrap interval on the perplexity delta (stats.py).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from .generate import forward
+from .stats import BootstrapConfig, ppl_delta_ci
 
 
 @dataclass(frozen=True)
@@ -26,9 +30,11 @@ class PerplexityResult:
     tokens: int  # scored tokens
     prefix: int
     chunk: int
+    token_nll: torch.Tensor | None = field(default=None, compare=False, repr=False)  # [tokens] float64, nats, in text order
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        """The scalar summary (JSON-ready); the per-token NLLs stay in `token_nll`."""
+        return {"ppl": self.ppl, "nll": self.nll, "tokens": self.tokens, "prefix": self.prefix, "chunk": self.chunk}
 
 
 @torch.no_grad()
@@ -50,16 +56,26 @@ def perplexity(
     forward(model, ids[:prefix], cache)
     if after_prefill is not None:
         after_prefill(cache)
-    nll_sum = 0.0
+    parts = []
     starts = range(prefix, prefix + n_score, chunk)
     for start in tqdm(starts, desc="perplexity", unit="chunk", disable=not progress, leave=False):
         stop = min(start + chunk, prefix + n_score)
         logits = forward(model, ids[start:stop], cache, last_only=False)[0].float()  # [stop - start, vocab]
-        nll_sum += F.cross_entropy(logits, ids[start + 1 : stop + 1].to(logits.device), reduction="sum").item()
-    nll = nll_sum / n_score
-    return PerplexityResult(ppl=math.exp(nll), nll=nll, tokens=n_score, prefix=prefix, chunk=chunk)
+        parts.append(F.cross_entropy(logits, ids[start + 1 : stop + 1].to(logits.device), reduction="none").double().cpu())
+    token_nll = torch.cat(parts)  # [n_score]
+    nll = token_nll.mean().item()
+    return PerplexityResult(ppl=math.exp(nll), nll=nll, tokens=n_score, prefix=prefix, chunk=chunk, token_nll=token_nll)
 
 
 def delta(result: PerplexityResult, baseline: PerplexityResult) -> tuple[float, float]:
     """(percent, absolute) perplexity change vs the baseline."""
     return 100.0 * (result.ppl / baseline.ppl - 1.0), result.ppl - baseline.ppl
+
+
+def delta_ci(result: PerplexityResult, baseline: PerplexityResult, cfg: BootstrapConfig | None = None) -> tuple[float, float]:
+    """Paired bootstrap interval (percent) of the perplexity delta; both runs must have scored the same tokens."""
+    if result.token_nll is None or baseline.token_nll is None:
+        raise ValueError("both results need per-token NLLs (token_nll); they come from perplexity()")
+    if (result.prefix, result.tokens) != (baseline.prefix, baseline.tokens):
+        raise ValueError(f"not the same scored tokens: prefix/tokens {result.prefix}/{result.tokens} vs {baseline.prefix}/{baseline.tokens}")
+    return ppl_delta_ci(result.token_nll, baseline.token_nll, cfg or BootstrapConfig())

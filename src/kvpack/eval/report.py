@@ -3,47 +3,92 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
-COLUMNS = [
-    ("method", "method", "{}"),
-    ("bytes/token", "bytes_per_token", "{:,.0f}"),
-    ("x fp16", "ratio_vs_fp16", "{:.2f}x"),
-    ("ppl", "ppl", "{:.3f}"),
-    ("ppl delta", "ppl_delta_pct", "{:+.2f}%"),
-    ("needle", None, None),
-    ("attn cos (min)", "cosine_min", "{:.4f}"),
-    ("prefill tok/s", "prefill_tok_s", "{:,.0f}"),
-    ("decode tok/s", "decode_tok_s", "{:.1f}"),
-    ("decode x dyn", "decode_ratio", "{:.2f}x"),
+
+def _number(key: str, fmt: str) -> Callable[[dict], str]:
+    def cell(row: dict) -> str:
+        value = row.get(key)
+        return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else fmt.format(value)
+
+    return cell
+
+
+def _ppl_delta(row: dict) -> str:
+    """"+1.27% [+0.8, +1.7]": the delta and its paired bootstrap 95% interval (rows from older runs have no interval)."""
+    text = _number("ppl_delta_pct", "{:+.2f}%")(row)
+    ci = row.get("ppl_delta_ci")
+    return f"{text} [{ci[0]:+.1f}, {ci[1]:+.1f}]" if ci and text != "-" else text
+
+
+def _recall(found: int, total: int, ci: list[float] | None) -> str:
+    """"58/60 [89-99%]": found/total and the Wilson 95% interval of the recall, in percent."""
+    return f"{found}/{total}" + (f" [{100 * ci[0]:.0f}-{100 * ci[1]:.0f}%]" if ci else "")
+
+
+def _needle(row: dict) -> str:
+    return _recall(row["needle_found"], row["needle_total"], row.get("needle_ci")) if row.get("needle_total") else "-"
+
+
+# (header, cell, the row key whose interval the cell shows: the header says "[95% CI]" once a row has one)
+COLUMNS: list[tuple[str, Callable[[dict], str], str | None]] = [
+    ("method", lambda row: row["method"], None),
+    ("bytes/token", _number("bytes_per_token", "{:,.0f}"), None),
+    ("x fp16", _number("ratio_vs_fp16", "{:.2f}x"), None),
+    ("ppl", _number("ppl", "{:.3f}"), None),
+    ("ppl delta", _ppl_delta, "ppl_delta_ci"),
+    ("needle", _needle, "needle_ci"),
+    ("attn cos (min)", _number("cosine_min", "{:.4f}"), None),
+    ("prefill tok/s", _number("prefill_tok_s", "{:,.0f}"), None),
+    ("decode tok/s", _number("decode_tok_s", "{:.1f}"), None),
+    ("decode x dyn", _number("decode_ratio", "{:.2f}x"), None),
 ]
 
 
-def _cell(row: dict, key: str | None, fmt: str | None) -> str:
-    if key is None:
-        return f"{row['needle_found']}/{row['needle_total']}" if row.get("needle_total") else "-"
-    value = row.get(key)
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "-"
-    return fmt.format(value)
+def _headers(rows: list[dict]) -> list[str]:
+    return [name + (" [95% CI]" if ci and any(r.get(ci) for r in rows) else "") for name, _, ci in COLUMNS]
+
+
+def _fixed(cells: list[list[str]]) -> list[str]:
+    """Fixed-width lines: the first column left-aligned, the others right-aligned, a rule under the header."""
+    widths = [max(len(line[i]) for line in cells) for i in range(len(cells[0]))]
+    lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(line, widths, strict=True))) for line in cells]
+    return [lines[0], "-" * len(lines[0]), *lines[1:]]
 
 
 def format_table(rows: list[dict]) -> str:
-    """A fixed-width table; unavailable methods get one line with the reason."""
+    """A fixed-width table; unavailable methods get one line with the reason; then the needle recall per cell and kind."""
     ok = [r for r in rows if r.get("status") == "ok"]
-    cells = [[name for name, _, _ in COLUMNS]] + [[_cell(r, k, f) for _, k, f in COLUMNS] for r in ok]
-    widths = [max(len(c[i]) for c in cells) for i in range(len(COLUMNS))]
-    lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(line, widths, strict=True))) for line in cells]
-    lines.insert(1, "-" * len(lines[0]))
+    lines = _fixed([_headers(ok)] + [[cell(r) for _, cell, _ in COLUMNS] for r in ok])
     lines += [f"{r['method']}: {r['status']}" for r in rows if r.get("status") != "ok"]
-    return "\n".join(lines)
+    needles = format_needle_cells(ok)
+    return "\n".join(lines) + ("\n\n" + needles if needles else "")
+
+
+def format_needle_cells(rows: list[dict]) -> str:
+    """Needle recall of every (length, depth) cell, found/total over all kinds and trials, then recall per kind; "" without cells."""
+    rows = [r for r in rows if r.get("needle_cells")]
+    if not rows:
+        return ""
+    depths = sorted({c["depth"] for r in rows for c in r["needle_cells"]})
+    cells = [["needle recall per cell", "length", *(f"depth {d:.2f}" for d in depths)]]
+    for row in rows:
+        by_cell = {(c["length"], c["depth"]): f"{c['found']}/{c['total']}" for c in row["needle_cells"]}
+        for n in sorted({c["length"] for c in row["needle_cells"]}):
+            cells.append([row["method"], str(n), *(by_cell.get((n, d), "-") for d in depths)])
+    kinds = list(dict.fromkeys(k for r in rows for k in r.get("needle_kinds", {})))
+    per_kind = [["needle recall per kind", *kinds]] + [
+        [r["method"], *(_recall(**r["needle_kinds"][k]) if k in r.get("needle_kinds", {}) else "-" for k in kinds)] for r in rows
+    ]
+    return "\n".join(_fixed(cells) + [""] + _fixed(per_kind))
 
 
 def markdown_table(rows: list[dict]) -> str:
     """Markdown of the ok rows; a row merged in from a later run (scripts/merge_rows.py) is marked `*`."""
     ok = [{**r, "method": r["method"] + " *"} if r.get("merged_from") else r for r in rows if r.get("status") == "ok"]
-    head = "| " + " | ".join(name for name, _, _ in COLUMNS) + " |"
+    head = "| " + " | ".join(_headers(ok)) + " |"
     sep = "|" + "|".join("---" if i == 0 else "---:" for i in range(len(COLUMNS))) + "|"
-    body = ["| " + " | ".join(_cell(r, k, f) for _, k, f in COLUMNS) + " |" for r in ok]
+    body = ["| " + " | ".join(cell(r) for _, cell, _ in COLUMNS) + " |" for r in ok]
     return "\n".join([head, sep, *body])
 
 
@@ -72,8 +117,13 @@ def plot(rows: list[dict], path: str) -> None:
 
 def _pareto(ax, rows: list[dict]) -> None:
     points = sorted((r["ratio_vs_fp16"], r["ppl_delta_pct"], r["method"]) for r in rows)
-    for x, y, name in points:
-        ax.scatter([x], [y], s=40, color="tab:orange" if name.startswith("hf-") or name == "dynamic" else "tab:blue")
+    for row in rows:
+        x, y, name = row["ratio_vs_fp16"], row["ppl_delta_pct"], row["method"]
+        color = "tab:orange" if name.startswith("hf-") or name == "dynamic" else "tab:blue"
+        if row.get("ppl_delta_ci"):  # the paired bootstrap 95% interval as a vertical bar
+            lo, hi = row["ppl_delta_ci"]
+            ax.errorbar([x], [y], yerr=[[max(0.0, y - lo)], [max(0.0, hi - y)]], color=color, lw=1, capsize=3)
+        ax.scatter([x], [y], s=40, color=color)
         ax.annotate(name, (x, y), textcoords="offset points", xytext=(5, 4), fontsize=8)
     # Frontier: the methods no other method beats on both compression (higher) and perplexity delta (lower).
     frontier = [(x, y) for x, y, _ in points if not any(x2 >= x and y2 < y or x2 > x and y2 <= y for x2, y2, _ in points)]
@@ -83,16 +133,19 @@ def _pareto(ax, rows: list[dict]) -> None:
     ax.set_xlabel("compression vs fp16 (x, higher is better)")
     ax.set_ylabel("perplexity delta vs uncompressed (%)")
     ax.set_yscale("symlog", linthresh=1.0)
-    lowest = min(y for _, y, _ in points) if points else 0.0
+    lowest = min([y for _, y, _ in points] + [r["ppl_delta_ci"][0] for r in rows if r.get("ppl_delta_ci")], default=0.0)
     ax.set_ylim(bottom=min(lowest * 1.5, -0.5))  # no empty negative decades when nothing beats the baseline
     ax.grid(alpha=0.3)
 
 
 def _heatmap(ax, row: dict) -> None:
+    """Recall per (length, depth) cell: the fraction of the cell's trials (all kinds) that found the needle."""
     lengths = sorted({t["target_length"] for t in row["needle"]})
     depths = sorted({t["depth"] for t in row["needle"]})
-    found = {(t["target_length"], t["depth"]): t["found"] for t in row["needle"]}
-    data = [[1.0 if found.get((n, d)) else 0.0 for n in lengths] for d in depths]
+    found: dict[tuple[int, float], list[bool]] = {}
+    for t in row["needle"]:
+        found.setdefault((t["target_length"], t["depth"]), []).append(t["found"])
+    data = [[sum(found.get((n, d), [])) / max(1, len(found.get((n, d), []))) for n in lengths] for d in depths]
     ax.imshow(data, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
     ax.set_xticks(range(len(lengths)), [str(n) for n in lengths], fontsize=7)
     ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths], fontsize=7)
