@@ -620,9 +620,14 @@ void vq_accumulate(const float* p, int R, int64_t n, const VQValues& V, const ui
       float* row = rows + i * d;
       if (i >= c) { std::fill(row, row + d, 0.f); continue; }
       const uint8_t* src = idx + (t + i) * V.nbytes;
+      if (V.bits == 8 && V.gsize == 4) {  // the default layout: a fixed-size copy inlines (a runtime size calls memcpy)
+        for (int gi = 0; gi < groups; ++gi) std::memcpy(row + gi * 4, book + static_cast<int64_t>(src[gi]) * 4, sizeof(float) * 4);
+        continue;
+      }
       for (int gi = 0; gi < groups; ++gi) {
         const int e = V.bits == 8 ? src[gi] : read_code(src, V.nbytes, gi * V.bits, V.bits);
-        std::memcpy(row + gi * V.gsize, book + static_cast<int64_t>(e) * V.gsize, sizeof(float) * V.gsize);
+        const float* cw = book + static_cast<int64_t>(e) * V.gsize;
+        for (int u = 0; u < V.gsize; ++u) row[gi * V.gsize + u] = cw[u];
       }
     }
     for (int r = 0; r < R; ++r) {
