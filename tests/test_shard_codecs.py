@@ -113,8 +113,8 @@ def test_bytes_per_token_match_hand_count():
     packed = pca.encode(keys, positions)
     assert pca.segments == ((48, 4),)  # one group, the whole budget at 4 bits
     assert packed.nbytes() == tokens * 48 * 4 // 8  # 24 B/token for the layer, vs 384 B in fp16
-    # int8 basis 192x48, fp16 column and coefficient scales (48 each), fp16 mean (192)
-    assert pca.state_nbytes() == 192 * 48 + 2 * 48 + 2 * 48 + 2 * 192
+    # int8 basis 192x48, fp16 column and coefficient scales (48 each), fp16 mean (192), float32 level offsets (48, cached)
+    assert pca.state_nbytes() == 192 * 48 + 2 * 48 + 2 * 48 + 2 * 192 + 4 * 48
     values = torch.randn(1, KV, tokens, D)
     vq = CodecSpec("vq", {"n_iter": 2, "fit_points": 4096}).build(D, KV)
     packed_v = vq.encode(values)
@@ -123,7 +123,7 @@ def test_bytes_per_token_match_hand_count():
     assert vq.state_nbytes() == 256 * 4 * 2 + KV * D * 2 + KV * D
     fp16 = tokens * KV * D * 2 * 2
     total = packed.nbytes() + pca.state_nbytes() + packed_v.nbytes() + vq.state_nbytes()
-    assert abs(fp16 / total - 2 * 384 / (24 + 48 + (9792 + 2624) / tokens)) < 1e-9
+    assert abs(fp16 / total - 2 * 384 / (24 + 48 + (9984 + 2624) / tokens)) < 1e-9
 
 
 def vq_codec(scope="layer", group=4, seed=0, token_norm=False):

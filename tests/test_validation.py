@@ -2,7 +2,8 @@
 
 Methods and codec options are checked when the cache is built (not at the first flush
 mid-generate), head sizes that are not a multiple of 32 work, codecs reject integer or
-mis-shaped tensors by name, degenerate key blocks fit, and norms past fp16's range survive.
+mis-shaped tensors by name, NaN/Inf are refused where K/V are stored (and read nowhere else),
+degenerate key blocks fit, and norms past fp16's range survive.
 """
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import kvpack
 from kvpack import _optional
+from kvpack.cache.layer import check_new_states
 from kvpack.codecs.base import group_query, ungroup
 from kvpack.codecs.kivi import KiviCodec, KiviConfig
+from kvpack.primitives import validation
 from kvpack.primitives.rope import apply_rope, rope_cos_sin
 from kvpack.registry import METHODS, CodecSpec, MethodConfig, get_method, list_methods, method
 
@@ -177,6 +180,56 @@ def test_codecs_reject_integer_and_3d_keys_by_name(codec, options):
         c.encode(torch.randn(2, 32, 64))
     with pytest.raises(TypeError, match=r"x must be a torch.Tensor"):
         c.encode([[0.0] * 64])
+
+
+# -- NaN/Inf: refused where K/V are stored, read nowhere else -------------------------------------------
+def test_nan_is_refused_where_it_would_be_stored_on_cpu():
+    nan = torch.randn(1, 2, 5, 64).index_fill_(2, torch.tensor([3]), float("nan"))
+    with pytest.raises(ValueError, match="contain NaN or Inf, so nothing was stored"):
+        check_new_states(nan, torch.randn(1, 2, 5, 64), 0)
+    with pytest.raises(ValueError, match="x contains 128 NaN/Inf values"):
+        CodecSpec("int8").build(64, 2).encode(nan)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_non_finite_count_is_exact_when_the_fast_sum_overflows(dtype):
+    """The count against `isfinite`, elementwise: finite values whose sum overflows (a false alarm to clear),
+    NaN, and +Inf with -Inf (whose sum is NaN)."""
+    big = torch.finfo(dtype).max
+    cases = [torch.full((3, 5), big, dtype=dtype), torch.randn(3, 5).to(dtype)]
+    cases.append(cases[1].clone().index_fill_(1, torch.tensor([2]), float("nan")))
+    cases.append(torch.tensor([float("inf"), -float("inf"), 1.0], dtype=dtype))
+    for x in cases:
+        assert validation.count_non_finite(x) == int((~torch.isfinite(x)).sum())
+    assert [validation.count_non_finite(x) for x in cases] == [0, 0, 3, 2]
+
+
+def test_value_checks_read_nothing_off_the_cpu_unless_debug(monkeypatch):
+    """A `meta` tensor has no values: reading one raises, as a host sync would cost on an accelerator. By default
+    neither the cache's check nor a codec's encode reads any (structure is still checked); KVPACK_DEBUG=1 reads."""
+    meta = torch.empty(1, 2, 5, 64, device="meta")
+    codec = CodecSpec("int8").build(64, 2)
+    check_new_states(meta, meta, 0)
+    assert codec.encode(meta).codes.device.type == "meta"
+    with pytest.raises(ValueError, match="3 kv heads"):
+        codec.encode(torch.empty(1, 3, 5, 64, device="meta"))
+    monkeypatch.setattr(validation, "DEBUG", True)
+    for call in (lambda: check_new_states(meta, meta, 0), lambda: codec.encode(meta)):
+        with pytest.raises(RuntimeError, match="meta tensors"):
+            call()
+
+
+def test_attention_calls_read_no_values_a_nan_query_row_stays_its_own():
+    """No finiteness pass per `scores` call (one per segment, layer and decode step): a NaN query reaches only its
+    own row of scores, which is all attention would have given it anyway; the cache is untouched."""
+    codec = CodecSpec("turboquant", {"bits": 3}).build(64, 2)
+    packed = codec.encode(torch.randn(1, 2, 40, 64))
+    q = torch.randn(1, 4, 2, 64)
+    q[0, 1, 0, 7] = float("nan")
+    scores = codec.scores(q, packed)
+    ref = ungroup(group_query(q, 2) @ codec.decode(packed).transpose(-1, -2), 4)
+    assert scores[0, 1, 0].isnan().all() and scores.isnan().sum() == 40  # that row's 40 tokens, nothing else
+    torch.testing.assert_close(scores.nan_to_num(), ref.nan_to_num(), atol=1e-4, rtol=1e-4)
 
 
 # -- degenerate key blocks --------------------------------------------------------------------------

@@ -10,19 +10,15 @@ from __future__ import annotations
 
 import copy
 import math
-import os
 import threading
 
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from ..codecs.base import Codec, Packed, slice_packed
+from ..primitives.validation import DEBUG, checks_values, count_non_finite
 from ..registry import EXACT_DTYPES, CodecSpec, MethodConfig
 from .blocks import BlockRun
-
-# Finiteness of new K/V is checked on every update on CPU (one pass over the new tokens only); on an
-# accelerator that check is a host sync per layer, so it runs only with KVPACK_DEBUG=1.
-DEBUG = os.environ.get("KVPACK_DEBUG", "0") == "1"
 
 # The layer whose update kvpack attention must read next, per thread: if the model's attention finds
 # no layer tag on its keys (code between update and attention rebuilt the tensor), it can tell that
@@ -53,7 +49,9 @@ def check_new_states(k: torch.Tensor, v: torch.Tensor, layer_idx: int) -> None:
             raise ValueError(f"{name} must have shape (batch, kv_heads, tokens, head_dim), got {tuple(t.shape)}")
     if k.shape[:3] != v.shape[:3]:
         raise ValueError(f"key and value states disagree on (batch, kv_heads, tokens): {tuple(k.shape)} vs {tuple(v.shape)}")
-    if (DEBUG or k.device.type == "cpu") and k.numel() and not (torch.isfinite(k).all() and torch.isfinite(v).all()):
+    # NaN/Inf are refused here, once per update and layer (one pass over the new tokens only): always on CPU,
+    # on an accelerator (a host sync per layer) only with KVPACK_DEBUG=1; see primitives/validation.py.
+    if checks_values(k) and (count_non_finite(k) or count_non_finite(v)):
         raise ValueError(
             f"layer {layer_idx}: the new key/value states contain NaN or Inf, so nothing was stored (the cache is unchanged). "
             "The model produced them: check its inputs and dtype (float16 activations can overflow; try bfloat16 or float32)."

@@ -4,17 +4,28 @@ A codec compresses `x: (batch, kv_heads, tokens, head_dim)`. Every tensor field 
 dataclass carries the token axis at dim 2, so blocks concatenate along tokens and the cache can
 append to a segment without knowing the layout. Compressed-domain `scores`/`weighted_sum`
 default to decode-then-matmul, so a new codec works before it is fast.
+
+Torch attention paths read a segment in token chunks (`chunk_tokens`, `chunked_scores`,
+`chunked_sum`), so the largest temporary they hold is bounded by `CHUNK_ELEMENTS`, never by the
+segment's length; a segment of one chunk (every decode-time block) is passed whole, unsliced.
+Codec state (rotations, codebooks, bases) stays where it was made and is copied to another device
+once (`Codec._on`), not on every call.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
 
-from ..primitives.validation import check_kv, check_query
+from ..primitives.validation import check_finite, check_kv, check_query
+
+# Entries of the largest temporary a torch `scores` / `weighted_sum` holds (16 MiB of float32): a
+# decode step over 32K tokens would otherwise rebuild K (or V) in float, 32K x heads x head_dim.
+CHUNK_ELEMENTS = 1 << 22
 
 
 @dataclasses.dataclass
@@ -94,6 +105,47 @@ def ungroup(out: torch.Tensor, q_heads: int) -> torch.Tensor:
     """Inverse of `group_query` on a result `(batch, kv_heads, group * q_len, n)`."""
     b, _, rows, n = out.shape
     return out.reshape(b, q_heads, rows * out.shape[1] // q_heads, n)
+
+
+def chunk_tokens(like: torch.Tensor, width: int, multiple: int = 1, limit: int | None = None) -> int:
+    """Tokens per chunk that keep a temporary of `width` entries per (batch row, kv head, token) within `limit`
+    (default `CHUNK_ELEMENTS`); `like (batch, kv_heads, ·, ·)` gives the batch and heads. Rounded down to a
+    multiple of `multiple` (blocks that slice only at token groups, e.g. KIVI's per-channel keys)."""
+    step = (limit or CHUNK_ELEMENTS) // max(1, like.shape[0] * like.shape[1] * width)
+    return max(multiple, step - step % multiple)
+
+
+def chunked_scores(
+    part: Callable[[Packed, int, int], torch.Tensor], packed: Packed, like: torch.Tensor, width: int, multiple: int = 1, limit: int | None = None
+) -> torch.Tensor:
+    """`(b, kv, rows, tokens)` from `part(block, start, stop) -> (b, kv, rows, stop - start)` over chunks of
+    `chunk_tokens(like, width, multiple, limit)` tokens, written into one result (no pieces to concatenate);
+    `like (b, kv, rows, ·)` gives its leading shape, dtype and device. One chunk is passed whole, unsliced."""
+    tokens = packed.num_tokens
+    if tokens * like.shape[0] * like.shape[1] * width <= (limit or CHUNK_ELEMENTS):  # one chunk: short blocks pay one product
+        return part(packed, 0, tokens)
+    step = chunk_tokens(like, width, multiple, limit)
+    out = like.new_empty(*like.shape[:3], tokens)
+    for start in range(0, tokens, step):
+        stop = min(start + step, tokens)
+        out[..., start:stop] = part(slice_packed(packed, start, stop), start, stop)
+    return out
+
+
+def chunked_sum(
+    part: Callable[[torch.Tensor, Packed], torch.Tensor], probs: torch.Tensor, packed: Packed, width: int, multiple: int = 1, limit: int | None = None
+) -> torch.Tensor:
+    """Σ over chunks of `part(probs[..., chunk], block)`, a fresh `(b, kv, rows, n)` partial sum, with chunks as
+    in `chunked_scores`; `probs (b, kv, rows, tokens)` is sliced only when there is more than one chunk."""
+    tokens = packed.num_tokens
+    if tokens * probs.shape[0] * probs.shape[1] * width <= (limit or CHUNK_ELEMENTS):
+        return part(probs, packed)
+    step = chunk_tokens(probs, width, multiple, limit)
+    acc = part(probs[..., :step], slice_packed(packed, 0, step))
+    for start in range(step, tokens, step):
+        stop = min(start + step, tokens)
+        acc += part(probs[..., start:stop], slice_packed(packed, start, stop))
+    return acc
 
 
 class Codec(ABC):
@@ -180,19 +232,45 @@ class Codec(ABC):
     ) -> torch.Tensor:
         """Raw inner products <q, k>: `query (batch, q_heads, q_len, d)` -> `(batch, q_heads, q_len, tokens)`.
 
-        Positions `(batch, q_len)` / `(batch, tokens)` matter only to `uses_positions` codecs.
+        Positions `(batch, q_len)` / `(batch, tokens)` matter only to `uses_positions` codecs. Keys are
+        decoded one chunk of tokens at a time.
         """
         check_query(query, self.kv_heads, self.head_dim)
-        keys = self.decode(packed, key_positions)
-        return ungroup(group_query(query.float(), self.kv_heads) @ keys.transpose(-1, -2), query.shape[1])
+        q = group_query(query.float(), self.kv_heads)  # (b, kv, rows, d)
+
+        def part(block: Packed, start: int, stop: int) -> torch.Tensor:
+            pos = key_positions if key_positions is None or block is packed else key_positions[:, start:stop]
+            return q @ self.decode(block, pos).transpose(-1, -2)
+
+        return ungroup(chunked_scores(part, packed, q, self._width(q.shape[2])), query.shape[1])
 
     def weighted_sum(self, probs: torch.Tensor, packed: Packed) -> torch.Tensor:
-        """`probs (batch, q_heads, q_len, tokens)` @ V -> `(batch, q_heads, q_len, head_dim)`."""
-        values = self.decode(packed)
-        return ungroup(group_query(probs.float(), self.kv_heads) @ values, probs.shape[1])
+        """`probs (batch, q_heads, q_len, tokens)` @ V -> `(batch, q_heads, q_len, head_dim)`, V decoded by chunks."""
+        p = group_query(probs.float(), self.kv_heads)  # (b, kv, rows, t)
+        out = chunked_sum(lambda pc, block: pc @ self.decode(block), p, packed, self._width(p.shape[2]))
+        return ungroup(out, probs.shape[1])
 
     # -- helpers -------------------------------------------------------------------------------
     def _check(self, x: torch.Tensor) -> None:
+        """What `fit` / `encode` accept: structure always, NaN/Inf where `checks_values` (see validation.py)."""
         check_kv(x, self.head_dim)
         if x.shape[1] != self.kv_heads:
             raise ValueError(f"x has {x.shape[1]} kv heads but this codec was built for {self.kv_heads}")
+        check_finite(x)
+
+    def _width(self, rows: int) -> int:
+        """Entries per (batch row, kv head, token) of the largest temporary in the torch `scores` /
+        `weighted_sum` with `rows` grouped query rows: a decoded vector or a `(rows, tokens)` product."""
+        return max(self.head_dim, rows)
+
+    def _on(self, key: str, state: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """Codec state `state` (named `key`) on `device`, copied there on first use and reused while `state` is
+        still the codec's tensor: a decode step on an accelerator makes no host-to-device copies. A refit or
+        `load_state_dict` assigns new tensors, which the identity check sees, so no copy goes stale."""
+        if state.device == device:
+            return state
+        copies = self.__dict__.setdefault("_device_copies", {})
+        hit = copies.get((key, device))
+        if hit is None or hit[0] is not state:
+            hit = copies[(key, device)] = (state, state.to(device))
+        return hit[1]

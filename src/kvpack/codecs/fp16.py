@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Codec, Packed, group_query, ungroup
+from .base import Codec, Packed, chunked_scores, chunked_sum, group_query, ungroup
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "native": None}
 
@@ -40,9 +40,9 @@ class Fp16Codec(Codec):
 
     def scores(self, query: torch.Tensor, packed: Fp16Packed, query_positions=None, key_positions=None) -> torch.Tensor:
         # fp32 math: half-precision matmuls are slow on CPU and lose accuracy in the sum
-        q = group_query(query.float(), self.kv_heads)
-        return ungroup(q @ packed.data.float().transpose(-1, -2), query.shape[1])
+        q = group_query(query.float(), self.kv_heads)  # (b, kv, rows, d)
+        return ungroup(chunked_scores(lambda block, s, e: q @ block.data.float().mT, packed, q, self._width(q.shape[2])), query.shape[1])
 
     def weighted_sum(self, probs: torch.Tensor, packed: Fp16Packed) -> torch.Tensor:
-        p = group_query(probs.float(), self.kv_heads)
-        return ungroup(p @ packed.data.float(), probs.shape[1])
+        p = group_query(probs.float(), self.kv_heads)  # (b, kv, rows, t)
+        return ungroup(chunked_sum(lambda pc, block: pc @ block.data.float(), p, packed, self._width(p.shape[2])), probs.shape[1])

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import kernels
-from .base import Codec, Packed, group_query, ungroup
+from .base import Codec, Packed, chunked_scores, chunked_sum, group_query, ungroup
 
 
 @dataclass(frozen=True)
@@ -41,14 +41,21 @@ class Int8Codec(Codec):
         return packed.codes.float() * packed.scale.float()
 
     def scores(self, query: torch.Tensor, packed: Int8Packed, query_positions=None, key_positions=None) -> torch.Tensor:
-        q = group_query(query.float(), self.kv_heads)
+        q = group_query(query.float(), self.kv_heads)  # (b, kv, rows, d)
         if q.shape[2] <= kernels.MAX_KERNEL_ROWS and packed.codes.device.type == "cpu" and kernels.available():
             return ungroup(kernels.int8_scores(q, packed.codes, packed.scale), query.shape[1])
-        raw = q @ packed.codes.to(q.dtype).transpose(-1, -2)  # (b, kv, rows, tokens)
-        return ungroup(raw * packed.scale.float().transpose(-1, -2), query.shape[1])
+
+        def part(block: Int8Packed, start: int, stop: int) -> torch.Tensor:
+            return (q @ block.codes.to(q.dtype).mT) * block.scale.float().mT  # (b, kv, rows, t)
+
+        return ungroup(chunked_scores(part, packed, q, self._width(q.shape[2])), query.shape[1])
 
     def weighted_sum(self, probs: torch.Tensor, packed: Int8Packed) -> torch.Tensor:
-        if probs.shape[1] // self.kv_heads * probs.shape[2] <= kernels.MAX_KERNEL_ROWS and packed.codes.device.type == "cpu" and kernels.available():
-            return ungroup(kernels.int8_weighted_sum(group_query(probs.float(), self.kv_heads), packed.codes, packed.scale), probs.shape[1])
-        p = group_query(probs.float(), self.kv_heads) * packed.scale.float().transpose(-1, -2)
-        return ungroup(p @ packed.codes.to(p.dtype), probs.shape[1])
+        p = group_query(probs.float(), self.kv_heads)  # (b, kv, rows, t)
+        if p.shape[2] <= kernels.MAX_KERNEL_ROWS and packed.codes.device.type == "cpu" and kernels.available():
+            return ungroup(kernels.int8_weighted_sum(p, packed.codes, packed.scale), probs.shape[1])
+
+        def part(pc: torch.Tensor, block: Int8Packed) -> torch.Tensor:
+            return (pc * block.scale.float().mT) @ block.codes.to(pc.dtype)  # (b, kv, rows, d)
+
+        return ungroup(chunked_sum(part, p, packed, self._width(p.shape[2])), probs.shape[1])

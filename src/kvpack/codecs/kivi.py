@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from ..primitives.affine import quantize_affine
 from ..primitives.packing import pack_bits, unpack_bits
 from ..primitives.validation import check_query
-from .base import Codec, Packed, group_query, ungroup
+from .base import Codec, Packed, chunked_scores, chunked_sum, group_query, ungroup
 
 AXES = ("channel", "token")
 
@@ -133,30 +133,45 @@ class KiviCodec(Codec):
         codes = F.pad(codes, (0, self.pad))
         return codes.view(b, h, t, -1, self.group).permute(0, 1, 3, 2, 4)
 
+    def _width(self, rows: int) -> int:
+        """Largest temporary per token of `scores` / `weighted_sum`: the float codes (d + pad entries) or the
+        query or probabilities folded with each group's scales (rows x ceil(d / G) entries)."""
+        return max(self.head_dim + self.pad, rows * -(-self.head_dim // self.group))
+
     def scores(self, query: torch.Tensor, packed: KiviPacked, query_positions=None, key_positions=None) -> torch.Tensor:
         check_query(query, self.kv_heads, self.head_dim)
         q = group_query(query.float(), self.kv_heads)  # (b, kv, R, d)
+        # Channel-axis chunks hold whole token groups (`token_multiple`): their scales are spread over the group.
+        out = chunked_scores(lambda block, s, e: self._scores(q, block), packed, q, self._width(q.shape[2]), self.token_multiple)
+        return ungroup(out, query.shape[1])
+
+    def _scores(self, q: torch.Tensor, packed: KiviPacked) -> torch.Tensor:
+        """Grouped query `(b, kv, R, d)` against one chunk of keys -> `(b, kv, R, t)`."""
         b, h, rows, d = q.shape
         codes = self._by_group(self._codes(packed))
         scale, zero = self._meta(packed)
         if self.config.axis == "channel":
             qs = q.unsqueeze(2) * scale.unsqueeze(3)  # (b, kv, ng, R, d): query folded with each group's scale
             out = (qs @ codes.mT).permute(0, 1, 3, 2, 4).reshape(b, h, rows, -1)
-            return ungroup(out + (q @ zero.mT).repeat_interleave(self.group, -1), query.shape[1])
+            return out + (q @ zero.mT).repeat_interleave(self.group, -1)
         qj = F.pad(q, (0, self.pad)).view(b, h, rows, -1, self.group).permute(0, 1, 3, 2, 4)  # (b, kv, nj, R, G), zero-padded
         out = ((qj @ codes.mT) * scale.permute(0, 1, 3, 2).unsqueeze(3)).sum(2)  # (b, kv, R, t)
-        return ungroup(out + qj.sum(-1).transpose(2, 3) @ zero.mT, query.shape[1])
+        return out + qj.sum(-1).transpose(2, 3) @ zero.mT
 
     def weighted_sum(self, probs: torch.Tensor, packed: KiviPacked) -> torch.Tensor:
         p = group_query(probs.float(), self.kv_heads)  # (b, kv, R, t)
+        out = chunked_sum(self._weighted_sum, p, packed, self._width(p.shape[2]), self.token_multiple)
+        return ungroup(out[..., : self.head_dim], probs.shape[1])
+
+    def _weighted_sum(self, p: torch.Tensor, packed: KiviPacked) -> torch.Tensor:
+        """Probabilities `(b, kv, R, t)` over one chunk of values -> `(b, kv, R, d)` (token axis: `d + pad`)."""
         b, h, rows, t = p.shape
         codes = self._by_group(self._codes(packed))
         scale, zero = self._meta(packed)
         if self.config.axis == "channel":
-            pg = p.view(b, h, rows, -1, self.group).transpose(2, 3)  # (b, kv, ng, R, G)
+            pg = p.reshape(b, h, rows, -1, self.group).transpose(2, 3)  # (b, kv, ng, R, G)
             out = ((pg @ codes) * scale.unsqueeze(3)).sum(2)  # (b, kv, R, d)
-            return ungroup(out + pg.sum(-1).transpose(2, 3) @ zero, probs.shape[1])
+            return out + pg.sum(-1).transpose(2, 3) @ zero
         ps = p.unsqueeze(2) * scale.permute(0, 1, 3, 2).unsqueeze(3)  # (b, kv, nj, R, t): probs folded with scale
         out = (ps @ codes).permute(0, 1, 3, 2, 4).reshape(b, h, rows, -1)
-        out = out + (p @ zero).repeat_interleave(self.group, -1)
-        return ungroup(out[..., : self.head_dim], probs.shape[1])
+        return out + (p @ zero).repeat_interleave(self.group, -1)

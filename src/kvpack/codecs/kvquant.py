@@ -22,7 +22,7 @@ Layout per token and kv head (d channels, b bits, k = `outliers_per_token`):
     values: the same + 2 B fp16 centre + 2 B fp16 radius of the token's inlier range
 d = 64, k = 1: keys 19 / 27 / 35 B and values 23 / 31 / 39 B at 2 / 3 / 4 bits, vs 128 B in fp16.
 
-Attention reads the codes block by block (`_CHUNK_ELEMENTS` decoded floats at a time): a codebook
+Attention reads the codes block by block (at most `_CHUNK_ELEMENTS` decoded floats at a time): a codebook
 gather and the outlier scatter rebuild one chunk, keys get RoPE back at their positions, one matmul.
 The paper's kernels do the same (dequantize, apply RoPE on the fly). The RoPE relative-position
 identity (pca.py) would avoid re-rotating keys, but each key is a full d-dim vector here, so the
@@ -42,11 +42,11 @@ from ..primitives.packing import pack_bits, unpack_bits
 from ..primitives.rope import apply_rope, undo_rope
 from ..primitives.scalar_codebook import lloyd_1d, nearest_level, sorted_quantiles
 from ..primitives.validation import check_query
-from .base import Codec, Packed, check_state, group_query, slice_packed, ungroup
+from .base import CHUNK_ELEMENTS, Codec, Packed, check_state, chunked_scores, chunked_sum, group_query, ungroup
 from .rope_keys import UnRopedKeys
 
 BITS = (2, 3, 4)
-_CHUNK_ELEMENTS = 1 << 22  # float32 entries of one decoded chunk in `scores` / `weighted_sum` (16 MiB)
+_CHUNK_ELEMENTS = CHUNK_ELEMENTS  # largest temporary of `scores` / `weighted_sum`: the shared bound, a knob tests shrink
 _TINY = 1e-6  # smallest channel / token radius: a constant channel or token has no range to normalize
 
 
@@ -105,17 +105,13 @@ class _KVQuantBase(Codec):
         codes = unpack_bits(packed.codes, self.config.bits, self.head_dim).long()
         b, h, _, d = codes.shape
         # A gather along the level axis of the (broadcast) table: 2x faster on CPU than flat advanced indexing.
-        table = book.float().to(codes.device).transpose(1, 2).unsqueeze(0).expand(b, h, self.levels, d)
+        table = self._on("codebook", book, codes.device).float().transpose(1, 2).unsqueeze(0).expand(b, h, self.levels, d)
         return torch.gather(table, 2, codes)
 
     @staticmethod
     def _restore_outliers(dense: torch.Tensor, packed: KVQuantPacked) -> torch.Tensor:
         return dense.scatter_(-1, packed.outlier_index.long(), packed.outlier_value.float())
 
-    def _chunks(self, packed: KVQuantPacked, batch: int):
-        step = max(1, _CHUNK_ELEMENTS // max(1, batch * self.kv_heads * self.head_dim))
-        for start in range(0, packed.num_tokens, step):
-            yield start, slice_packed(packed, start, min(start + step, packed.num_tokens))
 
 
 class KVQuantKeyCodec(UnRopedKeys, _KVQuantBase):
@@ -145,7 +141,7 @@ class KVQuantKeyCodec(UnRopedKeys, _KVQuantBase):
 
     def _outlier_index(self, x0: torch.Tensor) -> torch.Tensor:
         """The `k` channels of each token farthest outside their channel's thresholds `(b, h, t, k)` long."""
-        center, radius = self.center.float().to(x0.device), self.radius.float().to(x0.device)
+        center, radius = self._on("center", self.center, x0.device).float(), self._on("radius", self.radius, x0.device).float()
         excess = (x0 - center[None, :, None]).abs() / radius[None, :, None]
         return excess.topk(self.k, dim=-1).indices
 
@@ -168,7 +164,7 @@ class KVQuantKeyCodec(UnRopedKeys, _KVQuantBase):
             self.fit(x, positions)
         x0 = self._unroped(x, positions)
         b, h, t, d = x0.shape
-        book = self.codebook.float().to(x0.device).view(h * d, self.levels)
+        book = self._on("codebook", self.codebook, x0.device).float().view(h * d, self.levels)
         codes = nearest_level(self._by_channel(x0), book).view(h, d, b, t).permute(2, 0, 3, 1)
         return self._pack(codes, x0, self._outlier_index(x0))
 
@@ -189,13 +185,13 @@ class KVQuantKeyCodec(UnRopedKeys, _KVQuantBase):
     ) -> torch.Tensor:
         """<q, RoPE(k)> `(batch, q_heads, q_len, tokens)`: the query arrives RoPE'd, keys get RoPE per chunk."""
         check_query(query, self.kv_heads, self.head_dim)
-        b = query.shape[0]
         q = group_query(query.float(), self.kv_heads)  # (b, kv, rows, d)
-        out = [q.new_zeros(*q.shape[:3], 0)]
-        for start, part in self._chunks(packed, b):
-            pos = None if key_positions is None else key_positions[:, start : start + part.num_tokens]
-            out.append(q @ self.decode(part, pos).transpose(-1, -2))
-        return ungroup(torch.cat(out, -1), query.shape[1])
+
+        def part(block: KVQuantPacked, start: int, stop: int) -> torch.Tensor:
+            pos = key_positions if key_positions is None or block is packed else key_positions[:, start:stop]
+            return q @ self.decode(block, pos).mT
+
+        return ungroup(chunked_scores(part, packed, q, self._width(q.shape[2]), limit=_CHUNK_ELEMENTS), query.shape[1])
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Per-channel `codebook (kv_heads, d, 2^bits)`, outlier threshold `center` / `radius (kv_heads, d)`, all fp16."""
@@ -245,7 +241,7 @@ class KVQuantValueCodec(_KVQuantBase):
         x = x.float()
         index, center, radius, z = self._normalize(x)
         b, h, t, d = x.shape
-        book = self.codebook.float().to(x.device).squeeze(1)  # (kv_heads, L)
+        book = self._on("codebook", self.codebook, x.device).float().squeeze(1)  # (kv_heads, L)
         codes = nearest_level(z.transpose(0, 1).reshape(h, -1), book).view(h, b, t, d).transpose(0, 1)
         return self._pack(codes, x, index, center=center, radius=radius)
 
@@ -256,9 +252,7 @@ class KVQuantValueCodec(_KVQuantBase):
     def weighted_sum(self, probs: torch.Tensor, packed: KVQuantPacked) -> torch.Tensor:
         """`probs (batch, q_heads, q_len, tokens)` @ V, decoding one chunk of tokens at a time."""
         p = group_query(probs.float(), self.kv_heads)  # (b, kv, rows, t)
-        out = p.new_zeros(*p.shape[:3], self.head_dim)
-        for start, part in self._chunks(packed, p.shape[0]):
-            out = out + p[..., start : start + part.num_tokens] @ self.decode(part)
+        out = chunked_sum(lambda pc, block: pc @ self.decode(block), p, packed, self._width(p.shape[2]), limit=_CHUNK_ELEMENTS)
         return ungroup(out, probs.shape[1])
 
     def state_dict(self) -> dict[str, torch.Tensor]:

@@ -26,7 +26,7 @@ import torch
 from ..primitives.lloyd_max import lloyd_max_codebook
 from ..primitives.packing import pack_bits, unpack_bits
 from ..primitives.validation import check_query
-from .base import Codec, Packed, group_query, ungroup
+from .base import Codec, Packed, chunked_scores, chunked_sum, group_query, ungroup
 from .turboquant import head_rotations, norm_and_direction
 
 BITS = 4
@@ -56,18 +56,21 @@ class PolarQuantCodec(Codec):
     def rotation(self, device: torch.device) -> torch.Tensor:
         if self._rotation is None:
             self._rotation = head_rotations("qr", self.head_dim, self.kv_heads, self.config.seed, self.layer_idx)
-        if self._rotation.device != device:
-            self._rotation = self._rotation.to(device)
-        return self._rotation
+        return self._on("rotation", self._rotation, device)
+
+    def _lookup(self, idx: torch.Tensor) -> torch.Tensor:
+        """Centroids c[idx] float32 for integer codes `idx` (any shape), the codebook on `idx`'s device."""
+        return self._on("centroids", self.codebook.centroids, idx.device)[idx.long()]
 
     def _centroids(self, packed: PolarQuantPacked) -> torch.Tensor:
-        return self.codebook.lookup(unpack_bits(packed.codes, BITS, self.head_dim))
+        """Rotated-space unit reconstruction c[idx] `(batch, kv, tokens, d)` float32."""
+        return self._lookup(unpack_bits(packed.codes, BITS, self.head_dim))
 
     def encode(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> PolarQuantPacked:
         self._check(x)
         norm, unit = norm_and_direction(x.float())
-        idx = self.codebook.quantize(unit @ self.rotation(x.device).mT)
-        c_norm = self.codebook.lookup(idx).norm(dim=-1, keepdim=True)  # > 0: no centroid is 0 at 4 bits
+        idx = torch.bucketize((unit @ self.rotation(x.device).mT).contiguous(), self._on("boundaries", self.codebook.boundaries, x.device))
+        c_norm = self._lookup(idx).norm(dim=-1, keepdim=True)  # > 0: no centroid is 0 at 4 bits
         return PolarQuantPacked(x.shape[2], norm / c_norm, pack_bits(idx, BITS))
 
     def decode(self, packed: PolarQuantPacked, positions: torch.Tensor | None = None) -> torch.Tensor:
@@ -77,10 +80,12 @@ class PolarQuantCodec(Codec):
     def scores(self, query: torch.Tensor, packed: PolarQuantPacked, query_positions=None, key_positions=None) -> torch.Tensor:
         """<q, k̂> = scale · <Πq, c[idx]>: the query is rotated once, K is never rebuilt."""
         check_query(query, self.kv_heads, self.head_dim)
-        q = group_query(query.float(), self.kv_heads) @ self.rotation(query.device).mT
-        return ungroup((q @ self._centroids(packed).mT) * packed.scale.mT, query.shape[1])
+        q = group_query(query.float(), self.kv_heads) @ self.rotation(query.device).mT  # (b, kv, rows, d)
+        out = chunked_scores(lambda block, s, e: (q @ self._centroids(block).mT) * block.scale.mT, packed, q, self._width(q.shape[2]))
+        return ungroup(out, query.shape[1])
 
     def weighted_sum(self, probs: torch.Tensor, packed: PolarQuantPacked) -> torch.Tensor:
         """Σ p·scale·c[idx] in the rotated space, then one inverse rotation per head."""
-        p = group_query(probs.float(), self.kv_heads) * packed.scale.mT
-        return ungroup((p @ self._centroids(packed)) @ self.rotation(p.device), probs.shape[1])
+        p = group_query(probs.float(), self.kv_heads)  # (b, kv, rows, t)
+        acc = chunked_sum(lambda pc, block: (pc * block.scale.mT) @ self._centroids(block), p, packed, self._width(p.shape[2]))
+        return ungroup(acc @ self.rotation(p.device), probs.shape[1])

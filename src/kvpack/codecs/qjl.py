@@ -30,7 +30,7 @@ from ..primitives.packing import pack_bits, unpack_bits
 from ..primitives.qjl import qjl_matrix
 from ..primitives.rotation import derive_seed
 from ..primitives.validation import check_query
-from .base import Codec, Packed, check_state, group_query, ungroup
+from .base import Codec, Packed, check_state, chunked_scores, chunked_sum, group_query, ungroup
 
 
 @dataclass(frozen=True)
@@ -103,16 +103,15 @@ class QJLCodec(Codec):
         if self._sketch is None:
             if self.outlier_idx is None:
                 raise ValueError("QJL codec is not fitted: call fit() or encode() before scores()/decode()")
+            # Built beside the fitted outlier channels, then copied to other devices once (`_on`).
             seeds = [derive_seed(self.config.seed, self.layer_idx, h) for h in range(self.kv_heads)]
-            s = torch.stack([qjl_matrix(self.m, self.head_dim, seed) for seed in seeds]).to(device)
-            self._sketch = s.scatter(-1, self.outlier_idx.to(device).unsqueeze(1).expand(-1, self.m, -1), 0.0)
-        if self._sketch.device != device:
-            self._sketch = self._sketch.to(device)
-        return self._sketch
+            s = torch.stack([qjl_matrix(self.m, self.head_dim, seed) for seed in seeds]).to(self.outlier_idx.device)
+            self._sketch = s.scatter(-1, self.outlier_idx.unsqueeze(1).expand(-1, self.m, -1), 0.0)
+        return self._on("sketch", self._sketch, device)
 
     def _outlier_index(self, x: torch.Tensor) -> torch.Tensor:
         """`outlier_idx` expanded to gather from `x (b, kv, n, d)`: `(b, kv, n, n_outliers)`."""
-        idx = self.outlier_idx.to(x.device)[None, :, None, :]
+        idx = self._on("outlier_idx", self.outlier_idx, x.device)[None, :, None, :]
         return idx.expand(x.shape[0], -1, x.shape[2], -1)
 
     def state_nbytes(self) -> int:
@@ -144,14 +143,26 @@ class QJLCodec(Codec):
         check_query(query, self.kv_heads, self.head_dim)
         q = group_query(query.float(), self.kv_heads)  # (b, kv, rows, d)
         sq = q @ self.sketch(q.device).mT  # outlier columns of S are zero: this is S q_inlier
-        coef = math.sqrt(math.pi / 2) / self.m * packed.norm.float().mT
-        out = (sq @ self._signs(packed).mT) * coef
-        out = out + q.gather(-1, self._outlier_index(q)) @ packed.outliers.float().mT
-        return ungroup(out, query.shape[1])
+        q_out = q.gather(-1, self._outlier_index(q))  # (b, kv, rows, n_outliers)
+
+        def part(block: QJLPacked, start: int, stop: int) -> torch.Tensor:
+            coef = math.sqrt(math.pi / 2) / self.m * block.norm.float().mT
+            return (sq @ self._signs(block).mT) * coef + q_out @ block.outliers.float().mT
+
+        return ungroup(chunked_scores(part, packed, q, self._width(q.shape[2])), query.shape[1])
+
+    def _width(self, rows: int) -> int:
+        """The float signs (m entries per token) or a `(rows, tokens)` product: the largest temporary per token."""
+        return max(self.m, rows)
 
     def weighted_sum(self, probs: torch.Tensor, packed: QJLPacked) -> torch.Tensor:
         """Σ p·(estimate): signs weighted once, then one (rows, m) @ S per head; outliers scattered."""
-        p = group_query(probs.float(), self.kv_heads)
-        coef = math.sqrt(math.pi / 2) / self.m * packed.norm.float().mT
-        acc = ((p * coef) @ self._signs(packed)) @ self.sketch(p.device)
-        return ungroup(acc.scatter(-1, self._outlier_index(acc), p @ packed.outliers.float()), probs.shape[1])
+        p = group_query(probs.float(), self.kv_heads)  # (b, kv, rows, t)
+
+        def part(pc: torch.Tensor, block: QJLPacked) -> torch.Tensor:
+            # S has zero outlier columns, so the estimate is 0 there and the scatter adds across chunks.
+            coef = math.sqrt(math.pi / 2) / self.m * block.norm.float().mT
+            acc = ((pc * coef) @ self._signs(block)) @ self.sketch(p.device)
+            return acc.scatter(-1, self._outlier_index(acc), pc @ block.outliers.float())
+
+        return ungroup(chunked_sum(part, p, packed, self._width(p.shape[2])), probs.shape[1])

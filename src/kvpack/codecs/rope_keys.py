@@ -42,4 +42,4 @@ class UnRopedKeys:
             positions = torch.zeros(batch, tokens, dtype=torch.long, device=device)
         if positions.shape != (batch, tokens):
             raise ValueError(f"positions must have shape ({batch}, {tokens}), got {tuple(positions.shape)}")
-        return rope_cos_sin(positions, self.rope.inv_freq.to(device), self.rope.scaling)
+        return rope_cos_sin(positions, self._on("inv_freq", self.rope.inv_freq, device), self.rope.scaling)

@@ -42,10 +42,10 @@ from ..primitives.packing import pack_bits, unpack_bits
 from ..primitives.pca import pca
 from ..primitives.scalar_codebook import lloyd_1d, nearest_level
 from ..primitives.validation import check_query
-from .base import Codec, Packed, check_state, group_query, slice_packed, ungroup
+from .base import CHUNK_ELEMENTS, Codec, Packed, check_state, chunked_scores, chunked_sum, group_query, ungroup
 
 BITS = (2, 3, 4)
-_CHUNK_ELEMENTS = 1 << 22  # float32 entries of scaled levels held at once in `scores` / `weighted_sum`
+_CHUNK_ELEMENTS = CHUNK_ELEMENTS  # largest temporary of `scores` / `weighted_sum`: the shared bound, a knob tests shrink
 # Components are normalized by max(std, STD_FLOOR * the head's largest std). Directions holding less
 # than 1e-4 of the leading variance are numerically null for attention, and normalizing them to unit
 # scale would let float noise and the int8 basis's leakage (~1e-3 of the leading std) set a token's
@@ -102,13 +102,17 @@ class SubspaceCodec(Codec):
     # -- basis and coefficients -----------------------------------------------------------------
     def _basis(self, device) -> torch.Tensor:
         """Dequantized basis `(kv_heads, d, d)` float32."""
-        return (self.basis.float() * self.basis_scale.float().unsqueeze(1)).to(device)
+        return self._on("basis", self.basis, device).float() * self._on("basis_scale", self.basis_scale, device).float().unsqueeze(1)
+
+    def _state(self, name: str, device) -> torch.Tensor:
+        """Fitted fp16 `mean` / `std` / `codebook` as float32 on `device` (copied there once, see `Codec._on`)."""
+        return self._on(name, getattr(self, name), device).float()
 
     def _coefficients(self, x: torch.Tensor) -> torch.Tensor:
         """Least-squares coefficients of `x (b, h, t, d)` against the stored (int8-rounded) basis: `(b, h, t, d)`."""
         basis = self._basis(x.device).double()
         proj = (basis @ torch.linalg.inv(basis.transpose(1, 2) @ basis)).float()  # (h, d, d)
-        return (x.float() - self.mean.float().to(x.device)[None, :, None]) @ proj
+        return (x.float() - self._state("mean", x.device)[None, :, None]) @ proj
 
     def _split(self, y: torch.Tensor) -> torch.Tensor:
         """`(..., d)` -> `(..., n_subspaces, width)`."""
@@ -132,7 +136,7 @@ class SubspaceCodec(Codec):
 
     def _normalized(self, coefs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`coefs (b, h, t, d)` -> (coefficients / std on [-1, 1] `(b, h, t, S, width)`, fp16 absmax scale `(b, h, t, S)`)."""
-        groups = self._split(coefs / self.std.float().to(coefs.device)[None, :, None])
+        groups = self._split(coefs / self._state("std", coefs.device)[None, :, None])
         scale = groups.abs().amax(-1).half()  # quantize against the stored fp16 scale, which decode reads
         return groups / scale.float().clamp_min(1e-30).unsqueeze(-1), scale
 
@@ -143,7 +147,7 @@ class SubspaceCodec(Codec):
         self._check(x)
         z, scale = self._normalized(self._coefficients(x))
         b, h, t, s, w = z.shape
-        book = self.codebook.float().to(x.device).view(h * s, self.levels)
+        book = self._state("codebook", x.device).view(h * s, self.levels)
         codes = nearest_level(z.permute(1, 3, 0, 2, 4).reshape(h * s, -1), book)
         codes = codes.view(h, s, b, t, w).permute(2, 0, 3, 1, 4).reshape(b, h, t, s * w)
         return SubspacePacked(t, pack_bits(codes.to(torch.uint8), self.config.bits), scale)
@@ -152,42 +156,33 @@ class SubspaceCodec(Codec):
         """Normalized coefficients `(b, h, t, d)` float32: codebook level times the token's subspace scale."""
         codes = self._split(unpack_bits(packed.codes, self.config.bits, self.head_dim).long())  # (b, h, t, S, w)
         b, h, _, s, w = codes.shape
-        table = self.codebook.float().to(codes.device).transpose(1, 2)[None, :, :, :, None].expand(b, h, self.levels, s, w)
+        table = self._state("codebook", codes.device).transpose(1, 2)[None, :, :, :, None].expand(b, h, self.levels, s, w)
         levels = torch.gather(table, 2, codes)  # a gather along the level axis: 2x faster on CPU than flat indexing
         return (levels * packed.scale.float().unsqueeze(-1)).flatten(-2)
 
     def decode(self, packed: SubspacePacked, positions: torch.Tensor | None = None) -> torch.Tensor:
-        coefs = self._scaled_levels(packed) * self.std.float().to(packed.codes.device)[None, :, None]
-        device = coefs.device
-        return coefs @ self._basis(device).transpose(1, 2) + self.mean.float().to(device)[None, :, None]
+        device = packed.codes.device
+        coefs = self._scaled_levels(packed) * self._state("std", device)[None, :, None]
+        return coefs @ self._basis(device).transpose(1, 2) + self._state("mean", device)[None, :, None]
 
     # -- attention on the coefficients ----------------------------------------------------------
-    def _chunks(self, packed: SubspacePacked, batch: int):
-        step = max(1, _CHUNK_ELEMENTS // max(1, batch * self.kv_heads * self.head_dim))
-        for start in range(0, packed.num_tokens, step):
-            yield start, slice_packed(packed, start, min(start + step, packed.num_tokens))
-
     def scores(self, query: torch.Tensor, packed: SubspacePacked, query_positions=None, key_positions=None) -> torch.Tensor:
         """<q, k> `(batch, q_heads, q_len, tokens)`: the query projected on the basis once, then contracted with the levels."""
         check_query(query, self.kv_heads, self.head_dim)
         q = group_query(query.float(), self.kv_heads)  # (b, kv, rows, d)
         device = q.device
-        q_coef = (q @ self._basis(device)) * self.std.float().to(device)[None, :, None]
-        bias = q @ self.mean.float().to(device)[None, :, :, None]  # (b, kv, rows, 1)
-        out = [q.new_zeros(*q.shape[:3], 0)]
-        for _, part in self._chunks(packed, q.shape[0]):
-            out.append(q_coef @ self._scaled_levels(part).transpose(-1, -2) + bias)
-        return ungroup(torch.cat(out, -1), query.shape[1])
+        q_coef = (q @ self._basis(device)) * self._state("std", device)[None, :, None]
+        bias = q @ self._state("mean", device)[None, :, :, None]  # (b, kv, rows, 1)
+        out = chunked_scores(lambda block, s, e: q_coef @ self._scaled_levels(block).mT + bias, packed, q, self._width(q.shape[2]), limit=_CHUNK_ELEMENTS)
+        return ungroup(out, query.shape[1])
 
     def weighted_sum(self, probs: torch.Tensor, packed: SubspacePacked) -> torch.Tensor:
         """`probs (batch, q_heads, q_len, tokens)` @ V: probabilities accumulated on the levels, projected back once."""
         p = group_query(probs.float(), self.kv_heads)  # (b, kv, rows, t)
-        acc = p.new_zeros(*p.shape[:3], self.head_dim)
-        for start, part in self._chunks(packed, p.shape[0]):
-            acc = acc + p[..., start : start + part.num_tokens] @ self._scaled_levels(part)
+        acc = chunked_sum(lambda pc, block: pc @ self._scaled_levels(block), p, packed, self._width(p.shape[2]), limit=_CHUNK_ELEMENTS)
         device = acc.device
-        coefs = acc * self.std.float().to(device)[None, :, None]
-        out = coefs @ self._basis(device).transpose(1, 2) + p.sum(-1, keepdim=True) * self.mean.float().to(device)[None, :, None]
+        coefs = acc * self._state("std", device)[None, :, None]
+        out = coefs @ self._basis(device).transpose(1, 2) + p.sum(-1, keepdim=True) * self._state("mean", device)[None, :, None]
         return ungroup(out, probs.shape[1])
 
     # -- fitted state ---------------------------------------------------------------------------

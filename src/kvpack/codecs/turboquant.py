@@ -36,7 +36,7 @@ from ..primitives.rotation import (
     randomized_hadamard_inverse,
 )
 from ..primitives.validation import check_query
-from .base import Codec, Packed, check_state, group_query, ungroup
+from .base import Codec, Packed, check_state, chunked_scores, chunked_sum, group_query, ungroup
 
 ROTATIONS = ("auto", "qr", "hadamard")
 
@@ -140,9 +140,7 @@ class TurboQuantCodec(Codec):
             return head_rotations("hadamard", self.head_dim, self.kv_heads, self.config.seed, self.layer_idx).to(device)
         if self._rotation is None:
             self._rotation = head_rotations(self.rotation_kind, self.head_dim, self.kv_heads, self.config.seed, self.layer_idx)
-        if self._rotation.device != device:
-            self._rotation = self._rotation.to(device)
-        return self._rotation
+        return self._on("rotation", self._rotation, device)
 
     def _hadamard_signs(self, device: torch.device) -> torch.Tensor | None:
         """`(kv_heads, 1, d)` signs when Π is a randomized Hadamard of power-of-two size, else None."""
@@ -151,9 +149,7 @@ class TurboQuantCodec(Codec):
         if self._signs_vec is None:
             seeds = [derive_seed(self.config.seed, self.layer_idx, h) for h in range(self.kv_heads)]
             self._signs_vec = torch.stack([random_signs(self.head_dim, s) for s in seeds]).unsqueeze(1)
-        if self._signs_vec.device != device:
-            self._signs_vec = self._signs_vec.to(device)
-        return self._signs_vec
+        return self._on("signs", self._signs_vec, device)
 
     def _rotate(self, x: torch.Tensor) -> torch.Tensor:
         """Rows of `x (b, kv, n, d)` mapped to Πx."""
@@ -170,9 +166,11 @@ class TurboQuantCodec(Codec):
             # A seed stream disjoint from the rotation's: derive again from the head's rotation seed.
             seeds = [derive_seed(derive_seed(self.config.seed, self.layer_idx, h), 1, 0) for h in range(self.kv_heads)]
             self._sketch = torch.stack([qjl_matrix(self.head_dim, self.head_dim, s) for s in seeds])
-        if self._sketch.device != device:
-            self._sketch = self._sketch.to(device)
-        return self._sketch
+        return self._on("sketch", self._sketch, device)
+
+    def _lookup(self, idx: torch.Tensor) -> torch.Tensor:
+        """Centroids c[idx] float32 for integer codes `idx` (any shape), the codebook on `idx`'s device."""
+        return self._on("centroids", self.codebook.centroids, idx.device)[idx.long()]
 
     def _centroids(self, packed: TurboQuantPacked) -> torch.Tensor:
         """Rotated-space unit reconstruction c[idx] `(batch, kv, tokens, d)` float32, read from codes."""
@@ -180,10 +178,10 @@ class TurboQuantCodec(Codec):
         if self.codebook is None:
             return packed.codes.new_zeros(shape, dtype=torch.float32)
         if 8 % self.mse_bits:
-            return self.codebook.lookup(unpack_bits(packed.codes, self.mse_bits, self.head_dim))
+            return self._lookup(unpack_bits(packed.codes, self.mse_bits, self.head_dim))
         # Whole bytes: one embedding row of 8/bits centroids per byte (2-2.7x faster than unpack + lookup).
         per = 8 // self.mse_bits
-        byte_table = self.codebook.lookup(unpack_bits(torch.arange(256, dtype=torch.uint8, device=packed.codes.device)[:, None], self.mse_bits, per))
+        byte_table = self._lookup(unpack_bits(torch.arange(256, dtype=torch.uint8, device=packed.codes.device)[:, None], self.mse_bits, per))
         return torch.nn.functional.embedding(packed.codes.long(), byte_table).flatten(-2)[..., : self.head_dim]
 
     def _use_kernels(self, packed: TurboQuantPacked, rows: int) -> bool:
@@ -193,6 +191,11 @@ class TurboQuantCodec(Codec):
 
     def _signs(self, packed: TurboQuantPacked) -> torch.Tensor:
         return unpack_bits(packed.signs, 1, self.head_dim).float() * 2 - 1
+
+    def _width(self, rows: int) -> int:
+        """Decoded centroids or signs (d + 8 entries per token: a byte-table row may overshoot d by 7) or a
+        `(rows, tokens)` product: the largest temporary per token of the torch attention paths."""
+        return max(self.head_dim + 8, rows)
 
     # -- codec interface ---------------------------------------------------------------------------
     def fit(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> None:
@@ -231,17 +234,13 @@ class TurboQuantCodec(Codec):
         """`(1, kv_heads, 1, d)` fitted channel scale, or None."""
         if self.scale is None:
             return None
-        if self.scale.device != device:
-            self.scale = self.scale.to(device)
-        return self.scale[None, :, None, :]
+        return self._on("scale", self.scale, device)[None, :, None, :]
 
     def _mean(self, device: torch.device) -> torch.Tensor | None:
         """`(1, kv_heads, 1, d)` fitted mean, or None when not centering."""
         if self.mean is None:
             return None
-        if self.mean.device != device:
-            self.mean = self.mean.to(device)
-        return self.mean[None, :, None, :]
+        return self._on("mean", self.mean, device)[None, :, None, :]
 
     def encode(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> TurboQuantPacked:
         self._check(x)
@@ -260,9 +259,9 @@ class TurboQuantCodec(Codec):
             codes = torch.empty(*x.shape[:3], 0, dtype=torch.uint8, device=x.device)
             y_hat = torch.zeros_like(y)
         else:
-            idx = self.codebook.quantize(y)
+            idx = torch.bucketize(y.contiguous(), self._on("boundaries", self.codebook.boundaries, y.device)).to(torch.uint8)
             codes = pack_bits(idx, self.mse_bits)
-            y_hat = self.codebook.lookup(idx)
+            y_hat = self._lookup(idx)
         if not self.config.qjl:
             return TurboQuantPacked(x.shape[2], norm16, codes)
         # Residual in the original scale against what decode will actually produce (fp16 norm).
@@ -289,23 +288,32 @@ class TurboQuantCodec(Codec):
 
         On CPU the MSE term runs in `kvpack.kernels.lut_scores` (a per-byte table of query x
         centroid sums, no float K); elsewhere the centroid gather is a float tensor in the
-        rotated space and one dense matmul. The QJL residual term stays in torch.
+        rotated space and one dense matmul per chunk of tokens.
         """
         check_query(query, self.kv_heads, self.head_dim)
         q = group_query(query.float(), self.kv_heads)  # (b, kv, rows, d)
         scale = self._scale(q.device)
-        q = self._rotate(q if scale is None else q * scale)
-        if self._use_kernels(packed, q.shape[2]):
-            out = kernels.lut_scores(q, packed.codes, packed.norm, self.codebook.centroids, self.mse_bits)  # (b, kv, rows, t)
-        else:
-            out = (q @ self._centroids(packed).mT) * packed.norm.float().mT  # (b, kv, rows, t)
-        if packed.signs is not None:
-            qs = q @ self.sketch(q.device).mT
-            coef = math.sqrt(math.pi / 2) / self.head_dim * packed.residual_norm.float().mT
-            out = out + (qs @ self._signs(packed).mT) * coef
+        q_rot = self._rotate(q if scale is None else q * scale)
+        qs = None if packed.signs is None else q_rot @ self.sketch(q.device).mT  # S'Πq, once per call
+        kernel = self._use_kernels(packed, q.shape[2])
+        # The kernel reads the whole segment with no float temporary (a slice would copy its codes).
+        out = kernels.lut_scores(q_rot, packed.codes, packed.norm, self.codebook.centroids, self.mse_bits) if kernel else None
+        if not kernel or qs is not None:
+            part = chunked_scores(lambda block, s, e: self._rotated_scores(q_rot, qs, block, not kernel), packed, q, self._width(q.shape[2]))
+            out = part if out is None else out + part
         if self.mean is not None:  # <q, μ>: one product per query row, Πq·Πμ = q·μ
-            out = out + group_query(query.float(), self.kv_heads) @ self._mean(q.device).transpose(-1, -2)
+            out = out + q @ self._mean(q.device).transpose(-1, -2)
         return ungroup(out, query.shape[1])
+
+    def _rotated_scores(self, q_rot: torch.Tensor, qs: torch.Tensor | None, block: TurboQuantPacked, mse: bool) -> torch.Tensor:
+        """Scores `(b, kv, rows, t)` of one chunk from the rotated query `(b, kv, rows, d)`: the MSE term when `mse`
+        (else a kernel computed it), plus the QJL residual's when `qs` (S'Πq) is given."""
+        out = (q_rot @ self._centroids(block).mT) * block.norm.float().mT if mse else None
+        if qs is not None:
+            coef = math.sqrt(math.pi / 2) / self.head_dim * block.residual_norm.float().mT
+            residual = (qs @ self._signs(block).mT) * coef
+            out = residual if out is None else out + residual
+        return out
 
     # -- fused attention hooks (kvpack.kernels.fused reads these) -----------------------------------
     @property
@@ -327,17 +335,25 @@ class TurboQuantCodec(Codec):
             out = out * self._scale(out.device)
         return out if self.mean is None else out + denom * self._mean(out.device)
 
+    def _rotated_sum(self, p: torch.Tensor, block: TurboQuantPacked, mse: bool) -> torch.Tensor:
+        """Σ_t p_t·v̂_t of one chunk in the rotated space `(b, kv, rows, d)`: the MSE term when `mse` (else a
+        kernel computed it), plus the QJL residual's when the block has signs."""
+        acc = (p * block.norm.float().mT) @ self._centroids(block) if mse else None
+        if block.signs is not None:
+            coef = math.sqrt(math.pi / 2) / self.head_dim * block.residual_norm.float().mT
+            residual = ((p * coef) @ self._signs(block)) @ self.sketch(p.device)
+            acc = residual if acc is None else acc + residual
+        return acc
+
     def weighted_sum(self, probs: torch.Tensor, packed: TurboQuantPacked) -> torch.Tensor:
         """Σ p·||v||·c[idx] accumulated in the rotated space (the CPU kernel decodes codes only in
         registers and L1), then one inverse rotation per head."""
         p = group_query(probs.float(), self.kv_heads)  # (b, kv, rows, t)
-        if self._use_kernels(packed, p.shape[2]):
-            acc = kernels.lut_weighted_sum(p, packed.codes, packed.norm, self.codebook.centroids, self.mse_bits, self.head_dim)
-        else:
-            acc = (p * packed.norm.float().mT) @ self._centroids(packed)
-        if packed.signs is not None:
-            coef = math.sqrt(math.pi / 2) / self.head_dim * packed.residual_norm.float().mT
-            acc = acc + ((p * coef) @ self._signs(packed)) @ self.sketch(acc.device)
+        kernel = self._use_kernels(packed, p.shape[2])
+        acc = kernels.lut_weighted_sum(p, packed.codes, packed.norm, self.codebook.centroids, self.mse_bits, self.head_dim) if kernel else None
+        if not kernel or packed.signs is not None:
+            part = chunked_sum(lambda pc, block: self._rotated_sum(pc, block, not kernel), p, packed, self._width(p.shape[2]))
+            acc = part if acc is None else acc + part
         out = self._unrotate(acc)
         if self.scale is not None:
             out = out * self._scale(out.device)

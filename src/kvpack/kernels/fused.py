@@ -9,14 +9,13 @@ log-sum-exp, as split-K flash decoding merges its splits.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from ..primitives.validation import DEBUG
 from . import cpu_lut
 
 # The cache's own calls skip the launchers' Python checks (its codecs built the tensors); KVPACK_DEBUG=1 restores them.
-VALIDATE = os.environ.get("KVPACK_DEBUG", "") == "1"
+VALIDATE = DEBUG
 
 Partial = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # m, l (b, kv, rows, 1); o (b, kv, rows, d_v)
 

@@ -1,16 +1,32 @@
-"""Input checks shared by codecs and the cache: messages name the problem and the fix."""
+"""Input checks shared by codecs and the cache: messages name the problem and the fix.
+
+Two kinds of check, with different costs:
+- structure (type, dtype, rank, head_dim, GQA ratio): Python reads of tensor metadata, cheap enough for
+  every call (codecs run them in `fit`, `encode` and `scores`);
+- values (NaN/Inf): a full pass over the tensor and, on an accelerator, a host sync to read its
+  verdict. It guards what is *stored*: new K/V in the cache's `update` (once per forward and layer),
+  and codec `fit`/`encode`. It runs where it needs no sync (CPU tensors) and everywhere with
+  `KVPACK_DEBUG=1`; never on the query or probabilities of an attention call, whose NaNs would
+  reach only that call's output, not the cache.
+"""
 
 from __future__ import annotations
+
+import os
 
 import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
+# KVPACK_DEBUG=1: scan for NaN/Inf on accelerators too (a host sync per checked tensor). Read once at import.
+DEBUG = os.environ.get("KVPACK_DEBUG", "0") == "1"
+
 
 def check_kv(x: torch.Tensor, head_dim: int | None = None, name: str = "x") -> None:
-    """Validate a block of vectors `(batch, kv_heads, tokens, head_dim)` of a float dtype (float16/bfloat16/float32/float64).
+    """Validate the structure of a block of vectors `(batch, kv_heads, tokens, head_dim)` of a float dtype.
 
-    TypeError for a wrong type or dtype, ValueError for a wrong shape or non-finite values.
+    TypeError for a wrong type or dtype, ValueError for a wrong rank or head_dim. Reads metadata only:
+    values are `check_finite`'s job.
     """
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of shape (batch, kv_heads, tokens, head_dim), got {type(x).__name__}")
@@ -26,13 +42,31 @@ def check_kv(x: torch.Tensor, head_dim: int | None = None, name: str = "x") -> N
         )
     if head_dim is not None and x.shape[-1] != head_dim:
         raise ValueError(f"{name} has head_dim {x.shape[-1]} but this codec was built for head_dim {head_dim}")
-    if x.numel() and not torch.isfinite(x).all():
-        bad = int((~torch.isfinite(x)).sum())
+
+
+def checks_values(x: torch.Tensor) -> bool:
+    """Whether `x`'s values are scanned for NaN/Inf: on CPU (no sync), elsewhere only with `KVPACK_DEBUG=1`."""
+    return DEBUG or x.device.type == "cpu"
+
+
+def count_non_finite(x: torch.Tensor) -> int:
+    """NaN/Inf entries of a float tensor `x`. Any of them makes `x.sum()` non-finite, so a finite sum answers 0
+    in one read with no temporary the size of `x` (8K tokens x 8 heads x 128, one CPU thread: 0.75 ms against
+    14-39 ms for `isfinite(x).all()`); a sum that overflowed, or a real NaN/Inf, is then counted exactly."""
+    if not x.numel() or torch.isfinite(x.sum()):
+        return 0
+    return int((~torch.isfinite(x)).sum())
+
+
+def check_finite(x: torch.Tensor, name: str = "x") -> None:
+    """ValueError when `x` holds NaN/Inf, where `checks_values(x)`; a no-op on an accelerator by default."""
+    if checks_values(x) and (bad := count_non_finite(x)):
         raise ValueError(f"{name} contains {bad} NaN/Inf values; check the model's dtype (fp16 overflow?) before caching")
 
 
 def check_query(query: torch.Tensor, kv_heads: int, head_dim: int) -> int:
-    """Validate `query (batch, q_heads, q_len, head_dim)` against the cached heads; return the GQA ratio."""
+    """Validate the structure of `query (batch, q_heads, q_len, head_dim)` against the cached heads; return
+    the GQA ratio. No pass over the values: this runs per segment, layer and decode step."""
     check_kv(query, head_dim, "query")
     q_heads = query.shape[1]
     if q_heads % kv_heads:
