@@ -308,3 +308,14 @@ def test_merge_partials_equals_softmax_over_all_tokens(b, h, r, d):
     parts = [cpu_lut.partial_reference(s[..., a:z], v[:, :, a:z]) for a, z in cuts]
     expected = torch.softmax(s, -1) @ v
     assert (fused.merge(parts) - expected).abs().max() <= 1e-5 * (1 + expected.abs().max())
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("shape", [(2, 3, 37, 64), (1, 1, 5, 21), (700, 128)])
+def test_quantize_pack_equals_bucketize_then_pack(bits, shape):
+    """Integer output: exactly torch.bucketize's indices packed by primitives.pack_bits, ties on boundaries included."""
+    gen = torch.Generator().manual_seed(bits)
+    boundaries = torch.sort(torch.randn(2**bits - 1, generator=gen) * 0.2).values
+    y = torch.randn(*shape, generator=gen) * 0.2
+    y.view(-1)[:: 7] = boundaries[torch.randint(0, 2**bits - 1, (y.numel() // 7 + 1,), generator=gen)][: y.view(-1)[::7].numel()]
+    assert torch.equal(cpu_lut.quantize_pack(y, boundaries, bits), cpu_lut.quantize_pack_reference(y, boundaries, bits))

@@ -9,6 +9,11 @@ encode / decode / scores throughput (vectors/s, one CPU thread, best of 3 after 
 and the inner-product error on correlated unit pairs: the RMS error and the slope of the
 estimate on the truth (1 = unbiased; the MSE quantizers shrink, slope ≈ 1 - MSE).
 Writes JSON rows to `<out>/codecs.json`, a plot to `<out>/codecs.png`, and prints a table.
+
+With the optional peer `turbokv` installed (`pip install "kvpack[peers]"`), `--peer` also times kvpack's
+TurboQuant encode against turbokv's `TurboQuantizer.quantize` on the same vectors (head_dim 128, 2 and
+4 bits, `--threads` threads), interleaved call by call (A B A B ...) in this process, and writes
+`<out>/codecs-encode.json` with the environment stamp.
 """
 
 from __future__ import annotations
@@ -175,14 +180,56 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     fig.savefig(path, dpi=130)
 
 
+def encode_vs_turbokv(vectors: int, reps: int = 30, d: int = 128) -> list[dict[str, Any]]:
+    """Encode throughput (vectors/s) of kvpack's TurboQuant codec and turbokv's quantizer, interleaved.
+
+    Both get the same float32 vectors (`vectors` x d, Gaussian: neither assumes unit norm) and return
+    packed codes plus a norm; kvpack's codec runs as the cache runs it (fit once, then `encode`)."""
+    from turboquant import TurboQuantizer
+
+    x = torch.randn(1, 1, vectors, d, generator=torch.Generator().manual_seed(0))
+    rows = []
+    # The plain codec is turbokv's algorithm; the default method's key codec adds centering and channel scales.
+    variants = (("turboquant", {}), ("turboquant, default key codec", {"center": True, "channel_scale": 0.5}))
+    for bits, (label, extra) in ((b, v) for b in (2, 4) for v in variants):
+        codec = CodecSpec("turboquant", {"bits": bits, **extra}).build(d, 1)
+        codec.encode(x[:, :, :256])  # fits its statistics, as a prefill would
+        peer = TurboQuantizer(dim=d, bits=bits, device="cpu", seed=0)
+        contenders = {"kvpack": lambda c=codec: c.encode(x), "turbokv": lambda q=peer: q.quantize(x[0, 0])}
+        times: dict[str, list[float]] = {k: [] for k in contenders}
+        for rep in range(reps + 3):
+            for name, fn in contenders.items():
+                t0 = time.perf_counter()
+                fn()
+                if rep >= 3:  # warm-up calls untimed
+                    times[name].append(time.perf_counter() - t0)
+        rate = {k: vectors / (sum(v) / len(v)) for k, v in times.items()}
+        p50 = {k: vectors / sorted(v)[len(v) // 2] for k, v in times.items()}
+        rows.append({"codec": label, "options": {"bits": bits, **extra}, "head_dim": d, "vectors": vectors, "reps": reps,
+                     "kvpack_vec_per_s": rate["kvpack"], "turbokv_vec_per_s": rate["turbokv"], "kvpack_p50_vec_per_s": p50["kvpack"],
+                     "turbokv_p50_vec_per_s": p50["turbokv"], "ratio": rate["kvpack"] / rate["turbokv"]})
+        print(f"  encode d={d} {bits}-bit {label}: kvpack {rate['kvpack']:,.0f} vec/s, turbokv {rate['turbokv']:,.0f} vec/s, "
+              f"{rows[-1]['ratio']:.2f}x", flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="bench/results", help="folder for codecs.json and codecs.png")
     parser.add_argument("--vectors", type=int, default=8192, help="vectors per measurement (multiple of 256)")
+    parser.add_argument("--peer", action="store_true", help="only the encode comparison with turbokv (codecs-encode.json)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (the encode comparison; the codec table uses 1)")
     args = parser.parse_args(argv)
-    torch.set_num_threads(1)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.peer:
+        from .env import environment
+
+        torch.set_num_threads(args.threads)
+        rows = encode_vs_turbokv(args.vectors)
+        (out / "codecs-encode.json").write_text(json.dumps({"environment": environment("python -m kvpack.bench.codecs"), "rows": rows}, indent=1))
+        return rows
+    torch.set_num_threads(1)
     rows = []
     for d in (64, 128):
         for label, name, options in SETTINGS:

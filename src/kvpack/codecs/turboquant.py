@@ -258,10 +258,13 @@ class TurboQuantCodec(Codec):
         if self.codebook is None:
             codes = torch.empty(*x.shape[:3], 0, dtype=torch.uint8, device=x.device)
             y_hat = torch.zeros_like(y)
+        elif not self.config.qjl and y.device.type == "cpu" and kernels.available():
+            # Bucketize + pack in one pass (the reconstruction y_hat only feeds the QJL residual).
+            return TurboQuantPacked(x.shape[2], norm16, kernels.cpu_lut.quantize_pack(y, self.codebook.boundaries, self.mse_bits))
         else:
             idx = torch.bucketize(y.contiguous(), self._on("boundaries", self.codebook.boundaries, y.device)).to(torch.uint8)
             codes = pack_bits(idx, self.mse_bits)
-            y_hat = self._lookup(idx)
+            y_hat = self._lookup(idx) if self.config.qjl else None
         if not self.config.qjl:
             return TurboQuantPacked(x.shape[2], norm16, codes)
         # Residual in the original scale against what decode will actually produce (fp16 norm).

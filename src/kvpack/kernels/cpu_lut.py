@@ -23,7 +23,7 @@ from types import ModuleType
 
 import torch
 
-from ..primitives.packing import packed_length, unpack_bits
+from ..primitives.packing import pack_bits, packed_length, unpack_bits
 
 SOURCE = Path(__file__).with_name("lut_kernels.cpp")
 LUT_BITS = (1, 2, 3, 4)
@@ -270,6 +270,22 @@ def merge_partials(ms: list[torch.Tensor], ls: list[torch.Tensor], os_: list[tor
     """Normalized attention `(B, H, R, d)` f32 from parts' partials m, l `(B, H, R, 1)`, o `(B, H, R, d)` f32:
     `Σ_i e^(m_i - M) o_i / Σ_i e^(m_i - M) l_i` with `M = max_i m_i` (one call instead of ~10 torch ops)."""
     return _ext().merge_partials(list(ms), list(ls), list(os_))
+
+
+def quantize_pack(y: torch.Tensor, boundaries: torch.Tensor, bits: int) -> torch.Tensor:
+    """`pack_bits(torch.bucketize(y, boundaries), bits)` in one pass: y (..., d) f32, boundaries (2**bits - 1,)
+    f32 sorted -> (..., ceil(d * bits / 8)) u8."""
+    if not isinstance(y, torch.Tensor) or y.dim() < 1:
+        raise ValueError(f"y must be a float32 tensor (..., d), got {type(y).__name__}")
+    y = _check("y", y, torch.float32, (None,) * y.dim())
+    if bits not in range(1, 9):
+        raise ValueError(f"bits must be in 1..8, got {bits!r}")
+    boundaries = _check("boundaries", boundaries, torch.float32, (2**bits - 1,))
+    return _ext().quantize_pack(y, boundaries, bits)
+
+
+def quantize_pack_reference(y: torch.Tensor, boundaries: torch.Tensor, bits: int) -> torch.Tensor:
+    return pack_bits(torch.bucketize(y, boundaries).to(torch.uint8), bits)
 
 
 MAX_FUSED_ROWS = 16

@@ -841,6 +841,43 @@ torch::Tensor merge_partials(std::vector<torch::Tensor> ms, std::vector<torch::T
   return out;
 }
 
+// codes[n] = LSB-first bit-packed bucket indices of y[n] (index = boundaries strictly below the value,
+// torch.bucketize's right=False), one pass per row: the encode step after rotation, for any width 1-8.
+torch::Tensor quantize_pack(torch::Tensor y, torch::Tensor boundaries, int64_t bits) {
+  y = y.contiguous();
+  boundaries = boundaries.contiguous();
+  TORCH_CHECK(bits >= 1 && bits <= 8 && boundaries.numel() == (1 << bits) - 1, "quantize_pack: 2**bits - 1 boundaries, bits in 1..8");
+  const int64_t d = y.size(-1), N = y.numel() / std::max<int64_t>(d, 1), nbytes = (d * bits + 7) / 8;
+  auto sizes = y.sizes().vec();
+  sizes.back() = nbytes;
+  auto out = torch::zeros(sizes, y.options().dtype(torch::kUInt8));
+  const float* src = y.data_ptr<float>();
+  const float* bnd = boundaries.data_ptr<float>();
+  const int nb = static_cast<int>(boundaries.numel());
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, N, 256, [&](int64_t lo, int64_t hi) {
+    for (int64_t n = lo; n < hi; ++n) {
+      const float* row = src + n * d;
+      uint8_t* o = dst + n * nbytes;
+      uint32_t acc = 0;
+      int filled = 0, pos = 0;
+      for (int64_t j = 0; j < d; ++j) {
+        int idx = 0;
+        for (int k = 0; k < nb; ++k) idx += bnd[k] < row[j];  // sorted boundaries: a branch-free count
+        acc |= static_cast<uint32_t>(idx) << filled;
+        filled += static_cast<int>(bits);
+        while (filled >= 8) {
+          o[pos++] = static_cast<uint8_t>(acc & 0xFF);
+          acc >>= 8;
+          filled -= 8;
+        }
+      }
+      if (filled > 0) o[pos] = static_cast<uint8_t>(acc & 0xFF);
+    }
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lut_scores", &lut_scores, "TurboQuant scores from a per-unit lookup table of query x centroid partial sums");
   m.def("lut_weighted_sum", &lut_weighted_sum, "TurboQuant probability-weighted centroid sum, rotated space");
@@ -849,5 +886,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("tq_attention", &tq_attention, "online-softmax partial (m, l, o) over a TurboQuant K/V segment, V in the rotated space");
   m.def("pca_vq_attention", &pca_vq_attention, "online-softmax partial over Shard's PCA-coefficient keys and VQ values (rotated space)");
   m.def("merge_partials", &merge_partials, "normalized attention from per-part (m, l, o) partials, merged by log-sum-exp");
+  m.def("quantize_pack", &quantize_pack, "bucketize against sorted boundaries and bit-pack LSB-first, one pass per row");
   m.def("dense_attention", &dense_attention, "online-softmax partial (m, l, o) over int8 (scaled), fp16 or fp32 K/V");
 }
