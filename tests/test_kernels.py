@@ -154,6 +154,26 @@ def test_failed_build_warns_once_and_reports_unavailable(monkeypatch):
         assert cpu_lut.available()  # the cached, working build is untouched
 
 
+
+def test_a_build_is_announced_and_a_cached_build_is_silent(monkeypatch, capsys):
+    """The first build on a CPU prints one line before compiling (and one when done); loading a cached build prints nothing."""
+    import torch.utils.cpp_extension
+
+    calls = []
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", lambda **kw: calls.append(kw["name"]) or "module")
+    build = cpu_lut._extension.__wrapped__
+    monkeypatch.setattr(cpu_lut, "_is_built", lambda name: False)
+    assert build() == "module"
+    err = capsys.readouterr().err
+    assert f"compiling its CPU kernels for this CPU (once, about a minute): {calls[0]}" in err and "CPU kernels ready" in err
+    monkeypatch.setattr(cpu_lut, "_is_built", lambda name: True)
+    assert build() == "module" and capsys.readouterr().err == ""
+
+
+def test_the_installed_build_is_found_as_built():
+    """The real, cached build of this session is recognised, so users see no message on a second run."""
+    assert cpu_lut._is_built(cpu_lut._build_name(openmp=True)) or cpu_lut._is_built(cpu_lut._build_name(openmp=False))
+
 # -- codecs: kernel path equals torch path ---------------------------------------------------------
 CODEC_CASES = [
     ("turboquant", TurboQuantConfig(bits=b, qjl=qjl), d) for b in (1, 2, 3, 4) for qjl in (False, True) for d in (64, 80)

@@ -7,6 +7,7 @@ import warnings
 import torch
 from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
 
+from .. import kernels
 from ..registry import DEFAULT_METHOD, CodecSpec, MethodConfig, get_method
 from .layer import DEBUG, KVPackLayer, deepcopy_sharing
 from .tracker import QualityTracker
@@ -62,6 +63,13 @@ def _watch_attention_mask(model) -> None:
 
     model.register_forward_pre_hook(hook, with_kwargs=True)
     model._kvpack_mask_hook = True
+
+
+def _on_cpu(model) -> bool:
+    try:
+        return next(model.parameters()).device.type == "cpu"
+    except (AttributeError, StopIteration, TypeError):
+        return False
 
 
 def _specs(method: MethodConfig) -> list[CodecSpec]:
@@ -171,6 +179,8 @@ class KVCache(Cache):
             self.track(tracker)
         if model is not None:
             _watch_attention_mask(model)
+            if any(isinstance(layer, KVPackLayer) for layer in layers) and _on_cpu(model):
+                kernels.available()  # builds the CPU kernels now (with a message) rather than inside the first decode step
 
     def track(self, tracker: QualityTracker | None) -> QualityTracker | None:
         """Report every block a compressed layer encodes to `tracker` (None stops tracking); returns it."""

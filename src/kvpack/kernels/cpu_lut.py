@@ -6,7 +6,9 @@ weighted sums scatter p·norm into the transposed table, contracted with the cen
 the end. int8 (`int8_scores`, `int8_weighted_sum`) widens one token row at a time in registers.
 
 The extension is compiled with `torch.utils.cpp_extension.load` (`-O3 -march=native`, OpenMP
-when the compiler supports it) into torch's extensions directory (`$TORCH_EXTENSIONS_DIR`).
+when the compiler supports it) into torch's extensions directory (`$TORCH_EXTENSIONS_DIR`), once per
+CPU feature set and source version, announced by one line on stderr; `KVCache(model, ...)` on CPU
+triggers it, so it never happens silently inside the first decode step.
 Any build failure makes `available()` False, with one warning, and callers keep their torch path.
 Each launcher checks shapes and dtypes before the C++ call; the references here are the codecs'
 torch math (unpack, look up, matmul) that the tests hold the kernels to.
@@ -16,6 +18,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
+import time
 import warnings
 from functools import cache
 from pathlib import Path
@@ -42,25 +46,46 @@ def _cpu_tag() -> str:
 _build_errors: list[str] = []  # why the last build attempt failed, for `unavailable_reason()`
 
 
+def _build_name(openmp: bool) -> str:
+    """One build per CPU feature set and source version: a changed source is a new name, never a silent rebuild."""
+    source = hashlib.sha1(SOURCE.read_bytes()).hexdigest()[:8]
+    return f"kvpack_lut_{_cpu_tag()}_{source}{'_omp' if openmp else ''}"
+
+
+def _is_built(name: str) -> bool:
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+
+        return any(Path(_get_build_directory(name, False)).glob(f"{name}*.so"))
+    except Exception:  # a private torch helper: when it moves, we only lose the accurate message
+        return False
+
+
 @cache
 def _extension() -> ModuleType | None:
-    """Build (or load the cached build of) the extension; None, with one warning, if that fails."""
+    """Build (or load the cached build of) the extension; None, with one warning, if that fails.
+
+    A build prints one line to stderr before it starts (about a minute, once per CPU and kvpack
+    version): `KVCache(model, ...)` triggers it on CPU, so it never hides inside a decode step."""
     from torch.utils.cpp_extension import load
 
     errors = _build_errors
     errors.clear()
     for openmp in (True, False):
         flags = ["-O3", "-march=native", *(["-fopenmp"] if openmp else [])]
+        name = _build_name(openmp)
+        start = time.perf_counter()
+        building = not _is_built(name)
+        if building:
+            print(f"kvpack: compiling its CPU kernels for this CPU (once, about a minute): {name}", file=sys.stderr, flush=True)
         try:
-            return load(
-                name=f"kvpack_lut_{_cpu_tag()}{'_omp' if openmp else ''}",
-                sources=[str(SOURCE)],
-                extra_cflags=flags,
-                extra_ldflags=["-fopenmp"] if openmp else [],
-                verbose=False,
-            )
+            ext = load(name=name, sources=[str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"] if openmp else [], verbose=False)
         except Exception as e:  # no compiler, no headers, a linker error: all mean "use torch"
             errors.append(f"{'with' if openmp else 'without'} OpenMP: {type(e).__name__}: {str(e).strip()[-300:]}")
+            continue
+        if building:
+            print(f"kvpack: CPU kernels ready ({time.perf_counter() - start:.0f} s)", file=sys.stderr, flush=True)
+        return ext
     warnings.warn("kvpack CPU kernels unavailable, using the torch path: " + " | ".join(errors), RuntimeWarning, stacklevel=3)
     return None
 
