@@ -77,8 +77,10 @@ def decode_speed(results: Path) -> str:
     if not paths:
         return "Decode speed: not yet measured with `python -m kvpack.bench.decode`."
     out = []
-    for path in paths:
-        data = json.loads(path.read_text())
+    runs = [json.loads(path.read_text()) for path in paths]
+    # The default model first, then each model's runs from the shortest context up.
+    runs.sort(key=lambda d: (d["model"] != "smollm2-135m", d["model"], min(r["context"] for r in d["rows"])))
+    for data in runs:
         env, rows = data["environment"], data["rows"]
         contexts = sorted({r["context"] for r in rows})
         head = "| method | " + " | ".join(f"{c // 1024}K: x dynamic | {c // 1024}K: mean / p50 / p99 ms" for c in contexts) + " |"
