@@ -138,6 +138,30 @@ def test_compressed_attention_equals_reference_over_dequantized_cache(method, gq
     assert layer.segments or method == "fp16"
 
 
+
+@pytest.mark.parametrize("method", list_methods())
+@pytest.mark.parametrize("gqa", [1, 4, 7])
+def test_fused_decode_equals_reference_over_dequantized_cache(method, gqa):
+    """The CPU decode path (one fused kernel per part where the codecs have one: TurboQuant, int8,
+    Shard's PCA + VQ) against plain attention over the layer's dequantized K/V, with RoPE'd keys at
+    positions offset per batch row."""
+    from kvpack import kernels
+    from kvpack.attention import fused_decode
+
+    if not kernels.available():
+        pytest.skip("CPU kernels unavailable")
+    torch.manual_seed(gqa)
+    b, hk, d, n = 2, 2, 64, 4 + 64 * 5 + 37
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    layer = KVPackLayer(get_method(method), 0, _Cfg(), (inv_freq, 1.0))
+    layer.update(torch.randn(b, hk, n, d), torch.randn(b, hk, n, d))
+    layer.flush()
+    layer.update(torch.randn(b, hk, 1, d), torch.randn(b, hk, 1, d))
+    q = torch.randn(b, hk * gqa, 1, d)
+    out = fused_decode(layer, q, d**-0.5)
+    assert out is not None
+    torch.testing.assert_close(out, _reference_attention(layer, q, d**-0.5), atol=2e-4, rtol=1e-3)
+
 def test_memory_report_matches_hand_count():
     torch.manual_seed(0)
     b, hk, d = 1, 2, 64
