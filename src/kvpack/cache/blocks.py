@@ -42,9 +42,20 @@ class BlockRun:
         return next(iter(self._bufs.values())).shape[2] if self._bufs else self.length
 
     def view(self) -> Packed:
-        """The live tokens as a `Packed` of views (no copy)."""
+        """The live tokens as a `Packed` of views (no copy). Reused while the run's length, buffers and
+        template are the same objects (a decode step reads each run's view a few times per layer; building
+        one costs a dataclass copy and a slice per field)."""
+        key = (self._template, *self._bufs.values())
+        cached = self.__dict__.get("_view")
+        if cached is not None and cached[1].num_tokens == self.length and len(cached[0]) == len(key) and all(a is b for a, b in zip(cached[0], key)):
+            return cached[1]
         changes = {n: b[:, :, : self.length] for n, b in self._bufs.items()}
-        return dataclasses.replace(self._template, num_tokens=self.length, **changes)
+        packed = dataclasses.replace(self._template, num_tokens=self.length, **changes)
+        self._view = (key, packed)
+        return packed
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "_view"}  # copies and pickles rebuild their view
 
     def append(self, block: Packed) -> None:
         """Add `block`'s tokens after the live ones (a copy of the block only, amortized)."""
