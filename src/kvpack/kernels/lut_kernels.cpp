@@ -496,19 +496,37 @@ typedef float f16v __attribute__((vector_size(64)));
 
 inline f16v load16(const float* p) { f16v v; std::memcpy(&v, p, sizeof(v)); return v; }
 
-void rebuild_tile(const float* lev, int rank, const float* basis_t, const float* mean, int gdim, float* out) {
-  int j = 0;
-  for (; j + 16 <= gdim; j += 16) {
-    const f16v m = load16(mean + j);
-    f16v acc[kTile];
-    for (int i = 0; i < kTile; ++i) acc[i] = m;
-    const float* b = basis_t + j;
-    for (int r = 0; r < rank; ++r, b += gdim) {
-      const f16v bv = load16(b);
-      for (int i = 0; i < kTile; ++i) acc[i] += lev[r * kTile + i] * bv;
-    }
-    for (int i = 0; i < kTile; ++i) std::memcpy(out + i * gdim + j, &acc[i], sizeof(f16v));
+// NB column blocks of 16 per pass: each level broadcast feeds NB FMAs, so loads stop bounding the
+// FMAs; 8 x NB accumulators must fit the register file (32 zmm with AVX-512: NB = 2, as 3 made GCC spill; 16 ymm: NB = 1).
+template <int NB>
+inline void rebuild_columns(const float* lev, int rank, const float* basis_t, const float* mean, int gdim, int j, float* out) {
+  f16v acc[kTile][NB];
+  for (int c = 0; c < NB; ++c) {
+    const f16v m = load16(mean + j + 16 * c);
+    for (int i = 0; i < kTile; ++i) acc[i][c] = m;
   }
+  const float* b = basis_t + j;
+  for (int r = 0; r < rank; ++r, b += gdim) {
+    f16v bv[NB];
+    for (int c = 0; c < NB; ++c) bv[c] = load16(b + 16 * c);
+    for (int i = 0; i < kTile; ++i) {
+      const float l = lev[r * kTile + i];
+      for (int c = 0; c < NB; ++c) acc[i][c] += l * bv[c];
+    }
+  }
+  for (int i = 0; i < kTile; ++i)
+    for (int c = 0; c < NB; ++c) std::memcpy(out + i * gdim + j + 16 * c, &acc[i][c], sizeof(f16v));
+}
+
+void rebuild_tile(const float* lev, int rank, const float* basis_t, const float* mean, int gdim, float* out) {
+#ifdef __AVX512F__
+  constexpr int kWide = 2;
+#else
+  constexpr int kWide = 1;
+#endif
+  int j = 0;
+  for (; j + 16 * kWide <= gdim; j += 16 * kWide) rebuild_columns<kWide>(lev, rank, basis_t, mean, gdim, j, out);
+  for (; j + 16 <= gdim; j += 16) rebuild_columns<1>(lev, rank, basis_t, mean, gdim, j, out);
   for (; j < gdim; ++j)
     for (int i = 0; i < kTile; ++i) {
       float a = mean[j];
@@ -535,9 +553,10 @@ inline void unpack_levels(const uint8_t* row, const PCAKeys& K, float* li) {
     const int r = run.first, n = run.n, bits = run.bits, pos = run.pos;
     const uint8_t* src = row + (pos >> 3);
     if ((pos & 7) == 0 && (bits == 2 || bits == 4 || bits == 8)) {
-      const int per = 8 / bits, mask = (1 << bits) - 1;
+      // Shifts, not k / per and k % per: a runtime divisor compiles to one integer division per code.
+      const int log_per = bits == 2 ? 2 : bits == 4 ? 1 : 0, lane = (1 << log_per) - 1, mask = (1 << bits) - 1;
       for (int k = 0; k < n; ++k)
-        li[(r + k) * kTile] = static_cast<float>((src[k / per] >> ((k % per) * bits)) & mask) - K.qmax[r + k];
+        li[(r + k) * kTile] = static_cast<float>((src[k >> log_per] >> ((k & lane) * bits)) & mask) - K.qmax[r + k];
     } else {
       for (int k = 0; k < n; ++k)
         li[(r + k) * kTile] = static_cast<float>(read_code(row, K.nbytes, pos + k * bits, bits)) - K.qmax[r + k];
