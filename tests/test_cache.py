@@ -162,6 +162,34 @@ def test_fused_decode_equals_reference_over_dequantized_cache(method, gqa):
     assert out is not None
     torch.testing.assert_close(out, _reference_attention(layer, q, d**-0.5), atol=2e-4, rtol=1e-3)
 
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("method", ["turboquant:k3v2", "int8", "shard:tq4", "kivi:2"])
+def test_device_decode_path_through_custom_ops(monkeypatch, backend, method):
+    """The route a CUDA decode step takes (the `kvpack::` ops: Triton kernels, run here on CPU tensors by
+    Triton's interpreter, or the torch references) against attention over the dequantized cache."""
+    from kvpack import attention
+    from kvpack.codecs.base import group_query, ungroup
+    from kvpack.kernels import ops
+
+    if backend == "triton" and not ops.triton_available():
+        pytest.skip("Triton is not installed")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(ops, "_override", ops.Backend(backend))
+    torch.manual_seed(0)
+    b, hk, d, gqa, n = 2, 2, 64, 3, 4 + 64 * 3 + 21
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    layer = KVPackLayer(get_method(method), 0, _Cfg(), (inv_freq, 1.0))
+    layer.update(torch.randn(b, hk, n, d), torch.randn(b, hk, n, d))
+    layer.flush()
+    layer.update(torch.randn(b, hk, 1, d), torch.randn(b, hk, 1, d))
+    q = torch.randn(b, hk * gqa, 1, d)
+    out = ungroup(attention._ops_decode(layer, group_query(q, hk), q, d**-0.5), hk * gqa)
+    torch.testing.assert_close(out, _reference_attention(layer, q, d**-0.5), atol=2e-4, rtol=1e-3)
+    if backend == "triton":  # on CPU tensors, the Triton backend routes a decode step through the ops
+        assert ops.implementation("tq_attention", q.device).__module__.endswith("triton_attention")
+        torch.testing.assert_close(attention.fused_decode(layer, q, d**-0.5), out)
+
 def test_memory_report_matches_hand_count():
     torch.manual_seed(0)
     b, hk, d = 1, 2, 64

@@ -15,7 +15,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from . import kernels
 from .cache.layer import PENDING, KVPackLayer
 from .codecs.base import group_query, ungroup
-from .kernels import fused
+from .kernels import fused, ops
 
 NAME = "kvpack"
 
@@ -128,15 +128,21 @@ def _segmented(layer: KVPackLayer, query: torch.Tensor, mask, scaling: float, so
 
 
 def fused_decode(layer: KVPackLayer, query: torch.Tensor, scaling: float) -> torch.Tensor | None:
-    """A one-token decode step on CPU with no mask: one fused kernel per part (see `kernels.fused`).
+    """A one-token decode step with no mask: one fused kernel per part (see `kernels.fused`).
 
+    On CPU the C++ kernels serve it; on any other device (or with `KVPACK_BACKEND=triton`, which runs
+    Triton on CPU tensors under `TRITON_INTERPRET=1`) the `kvpack::` custom ops do, Triton on CUDA.
     Returns `(b, q_heads, 1, d_v)` float32, or None when the step does not qualify (longer queries
     need causal masking inside the window; padded batches carry a mask).
     """
     b, hq, lq, _ = query.shape
-    if lq != 1 or query.device.type != "cpu" or hq // layer.kv_heads > kernels.MAX_FUSED_ROWS or not kernels.available():
+    if lq != 1 or hq // layer.kv_heads > kernels.MAX_FUSED_ROWS:
         return None
     q = group_query(query.float(), layer.kv_heads)  # (b, kv, group, d)
+    if query.device.type != "cpu" or ops.get_backend() is ops.Backend.TRITON:
+        return ungroup(_ops_decode(layer, q, query, scaling), hq)
+    if not kernels.available():
+        return None
     parts = []
     for k, v in ((layer.sink_k, layer.sink_v), (layer.win_k, layer.win_v)):
         if k.shape[2]:
@@ -148,6 +154,14 @@ def fused_decode(layer: KVPackLayer, query: torch.Tensor, scaling: float) -> tor
         first = lambda seg=seg: layer.positions(seg.start, 1)[:, 0].contiguous()  # noqa: E731
         parts.append(fused.segment_partial(q, seg, scaling, first) or _codec_partial(layer, seg, query, scaling))
     return ungroup(fused.merge(parts), hq)
+
+
+def _ops_decode(layer: KVPackLayer, q: torch.Tensor, query: torch.Tensor, scaling: float) -> torch.Tensor:
+    """The decode step through the device-dispatched custom ops; codecs without an op use their own math."""
+    parts = [fused.ops_exact_partial(q, k, v, scaling) for k, v in ((layer.sink_k, layer.sink_v), (layer.win_k, layer.win_v)) if k.shape[2]]
+    for seg in layer.segments:
+        parts.append(fused.ops_segment_partial(q, seg, scaling) or _codec_partial(layer, seg, query, scaling))
+    return fused.merge_torch(parts)
 
 
 def _codec_partial(layer: KVPackLayer, seg, query: torch.Tensor, scaling: float) -> fused.Partial:

@@ -47,7 +47,7 @@ class BlockRun:
         one costs a dataclass copy and a slice per field)."""
         key = (self._template, *self._bufs.values())
         cached = self.__dict__.get("_view")
-        if cached is not None and cached[1].num_tokens == self.length and len(cached[0]) == len(key) and all(a is b for a, b in zip(cached[0], key)):
+        if cached is not None and cached[1].num_tokens == self.length and len(cached[0]) == len(key) and all(a is b for a, b in zip(cached[0], key, strict=True)):
             return cached[1]
         changes = {n: b[:, :, : self.length] for n, b in self._bufs.items()}
         packed = dataclasses.replace(self._template, num_tokens=self.length, **changes)

@@ -57,3 +57,40 @@ def merge(parts: list[Partial]) -> torch.Tensor:
     """Normalized attention output `(b, kv, rows, d_v)` from the parts' partials (one C++ call)."""
     return cpu_lut.merge_partials([p[0] for p in parts], [p[1] for p in parts], [p[2] for p in parts])
 
+
+
+# -- any device: the `kvpack::` custom ops (Triton on CUDA, C++ or torch on CPU; see kernels/ops.py) --------
+def ops_exact_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> Partial:
+    """Sinks or window `(b, kv, t, d)` in any float dtype: at most 127 + sinks tokens, so plain torch."""
+    s = (q @ k.float().mT) * scale
+    m = s.amax(-1, keepdim=True)
+    p = torch.exp(s - m)
+    return m, p.sum(-1, keepdim=True), p @ v.float()
+
+
+def ops_segment_partial(q: torch.Tensor, seg, scale: float) -> Partial | None:
+    """One segment's partial through the custom ops, on the query's device; None without an op for its codecs."""
+    from . import ops
+
+    kc, vc = seg.key_codec, seg.value_codec
+    kind = (kc.kernel_kind, vc.kernel_kind)
+    keys, values = seg.keys, seg.values
+    if kind == ("tq", "tq"):
+        q_rot, offset = kc.kernel_query(q)
+        cent_k = kc._on("centroids", kc.codebook.centroids, q.device)
+        cent_v = vc._on("centroids", vc.codebook.centroids, q.device)
+        m, denom, o = ops.tq_attention(q_rot, keys.codes, keys.norm, cent_k, kc.mse_bits, values.codes, values.norm, cent_v,
+                                       vc.mse_bits, q.shape[-1], scale, offset)
+        return m, denom, vc.kernel_output(o, denom)
+    if kind == ("int8", "int8"):
+        return ops.int8_attention(q, keys.codes, keys.scale, values.codes, values.scale, scale)
+    return None
+
+
+def merge_torch(parts: list[Partial]) -> torch.Tensor:
+    """`merge` in torch ops, for any device."""
+    ms = torch.cat([p[0] for p in parts], dim=-1)  # (b, kv, rows, parts)
+    w = torch.exp(ms - ms.amax(-1, keepdim=True))
+    total = (w * torch.cat([p[1] for p in parts], dim=-1)).sum(-1, keepdim=True)
+    out = (torch.stack([p[2] for p in parts], dim=-1) @ w.unsqueeze(-1)).squeeze(-1)
+    return out / total.clamp_min(1e-30)
