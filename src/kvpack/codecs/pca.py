@@ -185,11 +185,12 @@ class PCAKeyCodec(UnRopedKeys, Codec):
         self.basis_scale = state.get("basis_scale")
 
     def _basis(self, device=None) -> torch.Tensor:
-        """Dequantized basis `(groups, group_dim, rank)` float32."""
-        basis = self.basis.float()
+        """Dequantized basis `(groups, group_dim, rank)` float32 (state copied to `device` once, see `Codec._on`)."""
+        device = self.basis.device if device is None else torch.device(device)
+        basis = self._on("basis", self.basis, device).float()
         if self.basis_scale is not None:
-            basis = basis * self.basis_scale.float().unsqueeze(1)
-        return basis.to(device)
+            basis = basis * self._on("basis_scale", self.basis_scale, device).float().unsqueeze(1)
+        return basis
 
     def _qmax(self) -> torch.Tensor:
         """Largest code magnitude of every stored component `(rank,)` (cached: read on every decode step)."""
@@ -274,7 +275,7 @@ class PCAKeyCodec(UnRopedKeys, Codec):
         """Least-squares coefficients against the *dequantized* basis: `(b, groups, t, D) -> (b, groups, t, rank)`."""
         basis = self._basis(x0.device).double()
         proj = basis @ torch.linalg.pinv(basis.transpose(1, 2) @ basis)  # (groups, D, rank)
-        centered = x0 - self.mean.float().to(x0.device)[None, :, None]
+        centered = x0 - self._on("mean", self.mean, x0.device).float()[None, :, None]
         return centered @ proj.float()
 
     # -- encode / decode ------------------------------------------------------------------------
@@ -283,7 +284,7 @@ class PCAKeyCodec(UnRopedKeys, Codec):
             self.fit(x, positions)
         x0 = self._unroped(x, positions)
         coefs = self._project(x0)  # (b, groups, t, rank)
-        qmax, scale = self._qmax().to(x.device), self.coef_scale.float().to(x.device)[None, :, None]
+        qmax, scale = self._on("qmax", self._qmax(), x.device), self._on("coef_scale", self.coef_scale, x.device).float()[None, :, None]
         levels = (coefs / scale).round_().clamp_(-qmax, qmax) + qmax  # offset to unsigned codes
         parts, start = [], 0
         for n, bits in self.segments:
@@ -301,11 +302,11 @@ class PCAKeyCodec(UnRopedKeys, Codec):
             start += nbytes
         if not parts:
             return codes.new_zeros(*codes.shape[:-1], 0, dtype=torch.float32)
-        return torch.cat(parts, -1).float() - self._qmax().to(codes.device)
+        return torch.cat(parts, -1).float() - self._on("qmax", self._qmax(), codes.device)
 
     def decode(self, packed: PCAPacked, positions: torch.Tensor | None = None) -> torch.Tensor:
-        coefs = self._levels(packed.codes) * self.coef_scale.float().to(packed.codes.device)[None, :, None]
-        x0 = coefs @ self._basis(coefs.device).transpose(1, 2) + self.mean.float().to(coefs.device)[None, :, None]
+        coefs = self._levels(packed.codes) * self._on("coef_scale", self.coef_scale, packed.codes.device).float()[None, :, None]
+        x0 = coefs @ self._basis(coefs.device).transpose(1, 2) + self._on("mean", self.mean, coefs.device).float()[None, :, None]
         keys = self._from_groups(x0)
         cos, sin = self._cos_sin(positions, keys.shape[0], keys.shape[2], keys.device)
         return apply_rope(keys, cos, sin)
@@ -348,11 +349,11 @@ class PCAKeyCodec(UnRopedKeys, Codec):
         # q: (b, groups, heads per group, rows, d/2) halves, rows = (query head in kv group, query position)
         a, bb = group_query(q0, self.kv_heads).reshape(b, groups, per, rows, d).chunk(2, dim=-1)
         # Basis halves with both scales folded in: (groups, heads per group, d/2, rank).
-        basis = (self._basis(q0.device) * self.coef_scale.float().to(q0.device).unsqueeze(1)).reshape(groups, per, d, -1)
+        basis = (self._basis(q0.device) * self._on("coef_scale", self.coef_scale, q0.device).float().unsqueeze(1)).reshape(groups, per, d, -1)
         bc, bd = basis[:, :, :half].unsqueeze(0).unsqueeze(3), basis[:, :, half:].unsqueeze(0).unsqueeze(3)
         a_, b_ = a.unsqueeze(-1), bb.unsqueeze(-1)
         ab = torch.stack((a_ * bc + b_ * bd, b_ * bc - a_ * bd), dim=-3)  # (b, g, per, rows, 2, d/2, rank)
-        mean = self.mean.float().to(q0.device).reshape(1, groups, per, 1, d)
+        mean = self._on("mean", self.mean, q0.device).float().reshape(1, groups, per, 1, d)
         mc, md = mean[..., :half], mean[..., half:]
         bias = torch.stack((a * mc + bb * md, bb * mc - a * md), dim=-2)  # (b, g, per, rows, 2, d/2)
         width = per * rows * d
@@ -365,7 +366,7 @@ class PCAKeyCodec(UnRopedKeys, Codec):
             t = levels.shape[1]
             uv = uv.reshape(b, groups, t, per, rows // q_len, q_len, 2, half)
             delta = k_pos[:, ts : ts + step, None] - q_pos[:, None, :]  # (b, t, q_len)
-            cos_d, sin_d = relative_cos_sin(delta, self.rope.inv_freq.to(q0.device))
+            cos_d, sin_d = relative_cos_sin(delta, self._on("inv_freq", self.rope.inv_freq, q0.device))
             cos_d, sin_d = cos_d[:, None, :, None, None], sin_d[:, None, :, None, None]
             mixed = mix_pairs(uv[..., 0, :], uv[..., 1, :], cos_d, sin_d)  # (b, g, t, per, group, q_len)
             out.append(mixed.permute(0, 1, 3, 4, 5, 2).reshape(b, q_heads, q_len, t))

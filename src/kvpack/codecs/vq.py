@@ -93,7 +93,7 @@ class VQValueCodec(Codec):
         return self.codebooks is not None
 
     def _signs(self, device) -> torch.Tensor:
-        return self.signs.to(device=device, dtype=torch.float32)[None, :, None]
+        return self._on("signs", self.signs, torch.device(device)).float()[None, :, None]
 
     def _rotate(self, x: torch.Tensor) -> torch.Tensor:
         return hadamard_transform(x.float() * self._signs(x.device))
@@ -147,11 +147,11 @@ class VQValueCodec(Codec):
             self.fit(x, positions)
         self._check(x)
         b, h, t, _ = x.shape
-        y = self._rotate(x) / self.scale.float().to(x.device)[None, :, None]
+        y = self._rotate(x) / self._on("scale", self.scale, x.device).float()[None, :, None]
         norm = self._token_rms(y) if self.config.token_norm else None
         if norm is not None:
             y = y / norm.float()
-        index, _ = assign(self._points(y), self.codebooks.float().to(x.device))
+        index, _ = assign(self._points(y), self._on("codebooks", self.codebooks, x.device).float())
         if self.config.scope is VQScope.LAYER:
             index = index.reshape(b, h, t, self.n_groups)
         else:
@@ -161,7 +161,7 @@ class VQValueCodec(Codec):
     def _lookup(self, indices: torch.Tensor) -> torch.Tensor:
         """Normalized rotated values `(b, h, t, head_dim)` float32 from packed indices."""
         index = unpack_bits(indices, self.bits, self.n_groups).long()
-        codebooks = self.codebooks.float().to(indices.device)
+        codebooks = self._on("codebooks", self.codebooks, indices.device).float()
         if self.config.scope is VQScope.HEAD:  # per-head codebooks stacked: offset each head's indices
             index = index + (torch.arange(self.kv_heads, device=indices.device) * self.config.codebook_size)[None, :, None, None]
         return codebooks.reshape(-1, self.config.group_size)[index].flatten(-2)
@@ -180,10 +180,10 @@ class VQValueCodec(Codec):
 
     def kernel_output(self, o: torch.Tensor) -> torch.Tensor:
         """Rotated, channel-normalized `Σ p·v̂` `(b, kv_heads, rows, head_dim)` -> value space (one inverse Hadamard)."""
-        return self._unrotate(o * self.scale.float().to(o.device)[None, :, None])
+        return self._unrotate(o * self._on("scale", self.scale, o.device).float()[None, :, None])
 
     def decode(self, packed: VQPacked, positions: torch.Tensor | None = None) -> torch.Tensor:
-        scale = self.scale.float().to(packed.indices.device)[None, :, None]
+        scale = self._on("scale", self.scale, packed.indices.device).float()[None, :, None]
         y = self._lookup(packed.indices)
         if packed.norm is not None:
             y = y * packed.norm.float()
@@ -199,5 +199,5 @@ class VQValueCodec(Codec):
         acc = p.new_zeros(b, self.kv_heads, rows, self.head_dim)
         for ts in range(0, tokens, step):
             acc += p[..., ts : ts + step] @ self._lookup(packed.indices[:, :, ts : ts + step])
-        out = self._unrotate(acc * self.scale.float().to(p.device)[None, :, None])
+        out = self._unrotate(acc * self._on("scale", self.scale, p.device).float()[None, :, None])
         return ungroup(out, probs.shape[1])
