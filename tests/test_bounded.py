@@ -37,9 +37,11 @@ CODECS = [
     ("subspace", {}),
 ]
 IDS = [f"{n}-{'-'.join(f'{k}={v}' for k, v in o.items())}" for n, o in CODECS]
-# Shard's codecs too: their decode path is the fused CPU kernel, but on another device they run this torch math.
-DEVICE_CODECS = [*CODECS, ("pca", {}), ("vq", {"n_iter": 2})]
-DEVICE_IDS = [f"{n}-{'-'.join(f'{k}={v}' for k, v in o.items())}" for n, o in DEVICE_CODECS]
+# Shard's codecs decode through the fused CPU kernel, but run this torch math on other devices. Their own tests
+# hold them to decode; the small-cap equality test below does not apply (PCA's RoPE-identity contraction is a
+# fixed rows x d x rank temporary, larger than that test's cap, not one that grows with the segment).
+WITH_SHARD = [*CODECS, ("pca", {}), ("vq", {"n_iter": 2})]
+WITH_SHARD_IDS = [f"{n}-{'-'.join(f'{k}={v}' for k, v in o.items())}" for n, o in WITH_SHARD]
 STATELESS = {"kivi", "int8", "fp16"}  # nothing fitted or seeded to move
 
 
@@ -92,7 +94,7 @@ def torch_path(monkeypatch):
 
 
 # -- the bound, on a long segment -----------------------------------------------------------------------
-@pytest.mark.parametrize("name,options", CODECS, ids=IDS)
+@pytest.mark.parametrize("name,options", WITH_SHARD, ids=WITH_SHARD_IDS)
 def test_torch_paths_allocate_at_most_one_chunk_of_a_40k_segment(name, options, torch_path):
     b, kv, d, group, tokens = 1, 2, 128, 4, 40 * 1024
     codec = CodecSpec(name, options).build(d, kv)
@@ -159,7 +161,7 @@ def test_chunks_tile_the_segment_and_one_chunk_is_passed_whole():
 
 
 # -- no host syncs, state copied to the device once ---------------------------------------------------
-@pytest.mark.parametrize("name,options", DEVICE_CODECS, ids=DEVICE_IDS)
+@pytest.mark.parametrize("name,options", WITH_SHARD, ids=WITH_SHARD_IDS)
 def test_torch_paths_run_on_another_device_with_state_copied_once(name, options, torch_path):
     """Fitted on the CPU, read on `meta`: no host sync anywhere (it would raise), the codec's state copied on the
     first call only."""

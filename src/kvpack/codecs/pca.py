@@ -124,7 +124,8 @@ class PCAKeyCodec(UnRopedKeys, Codec):
     # -- RoPE and layout -----------------------------------------------------------------------
     def _positions(self, positions: torch.Tensor | None, batch: int, tokens: int, device) -> torch.Tensor:
         if positions is None:
-            self._cos_sin(None, batch, tokens, device)  # raises when RoPE is set
+            if self.rope_set:  # the same refusal as `_cos_sin`, without building cos/sin for every token
+                raise ValueError("this codec undoes RoPE: pass positions (batch, tokens) to encode/decode/scores")
             return torch.zeros(batch, tokens, dtype=torch.long, device=device)
         return positions
 
