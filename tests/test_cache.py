@@ -121,18 +121,23 @@ class _Cfg:
     _attn_implementation = "kvpack"
 
 
+def _one_decode_step(method: str, gqa: int, n: int, seed: int, b: int = 2, hk: int = 2, d: int = 64):
+    """A layer holding an `n`-token prompt (flushed: sinks, compressed segments, window) plus one decoded
+    token, and a decode query `(b, hk * gqa, 1, d)`."""
+    torch.manual_seed(seed)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    layer = KVPackLayer(get_method(method), 0, _Cfg(), (inv_freq, 1.0))
+    layer.update(torch.randn(b, hk, n, d), torch.randn(b, hk, n, d))
+    layer.flush()
+    layer.update(torch.randn(b, hk, 1, d), torch.randn(b, hk, 1, d))
+    return layer, torch.randn(b, hk * gqa, 1, d)
+
+
 @pytest.mark.parametrize("method", list_methods())
 @pytest.mark.parametrize("gqa", [1, 4, 7])
 def test_compressed_attention_equals_reference_over_dequantized_cache(method, gqa):
-    torch.manual_seed(gqa)
-    b, hk, d, n = 2, 2, 64, 4 + 64 * 5 + 37
-    inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
-    layer = KVPackLayer(get_method(method), 0, _Cfg(), (inv_freq, 1.0))
-    k, v = torch.randn(b, hk, n, d), torch.randn(b, hk, n, d)
-    layer.update(k, v)
-    layer.flush()
-    layer.update(torch.randn(b, hk, 1, d), torch.randn(b, hk, 1, d))  # one decode token
-    q = torch.randn(b, hk * gqa, 1, d)
+    layer, q = _one_decode_step(method, gqa, 4 + 64 * 5 + 37, seed=gqa)
+    d = q.shape[-1]
     out = segmented_attention(layer, q, None, d**-0.5)
     torch.testing.assert_close(out, _reference_attention(layer, q, d**-0.5), atol=2e-4, rtol=1e-3)
     assert layer.segments or method == "fp16"
@@ -143,21 +148,14 @@ def test_compressed_attention_equals_reference_over_dequantized_cache(method, gq
 @pytest.mark.parametrize("gqa", [1, 4, 7])
 def test_fused_decode_equals_reference_over_dequantized_cache(method, gqa):
     """The CPU decode path (one fused kernel per part where the codecs have one: TurboQuant, int8,
-    Shard's PCA + VQ) against plain attention over the layer's dequantized K/V, with RoPE'd keys at
-    positions offset per batch row."""
+    Shard's PCA + VQ) against plain attention over the layer's dequantized K/V."""
     from kvpack import kernels
     from kvpack.attention import fused_decode
 
     if not kernels.available():
         pytest.skip("CPU kernels unavailable")
-    torch.manual_seed(gqa)
-    b, hk, d, n = 2, 2, 64, 4 + 64 * 5 + 37
-    inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
-    layer = KVPackLayer(get_method(method), 0, _Cfg(), (inv_freq, 1.0))
-    layer.update(torch.randn(b, hk, n, d), torch.randn(b, hk, n, d))
-    layer.flush()
-    layer.update(torch.randn(b, hk, 1, d), torch.randn(b, hk, 1, d))
-    q = torch.randn(b, hk * gqa, 1, d)
+    layer, q = _one_decode_step(method, gqa, 4 + 64 * 5 + 37, seed=gqa)
+    d = q.shape[-1]
     out = fused_decode(layer, q, d**-0.5)
     assert out is not None
     torch.testing.assert_close(out, _reference_attention(layer, q, d**-0.5), atol=2e-4, rtol=1e-3)
@@ -176,14 +174,8 @@ def test_device_decode_path_through_custom_ops(monkeypatch, backend, method):
         pytest.skip("Triton is not installed")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr(ops, "_override", ops.Backend(backend))
-    torch.manual_seed(0)
-    b, hk, d, gqa, n = 2, 2, 64, 3, 4 + 64 * 3 + 21
-    inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
-    layer = KVPackLayer(get_method(method), 0, _Cfg(), (inv_freq, 1.0))
-    layer.update(torch.randn(b, hk, n, d), torch.randn(b, hk, n, d))
-    layer.flush()
-    layer.update(torch.randn(b, hk, 1, d), torch.randn(b, hk, 1, d))
-    q = torch.randn(b, hk * gqa, 1, d)
+    layer, q = _one_decode_step(method, 3, 4 + 64 * 3 + 21, seed=0)
+    hk, gqa, d = layer.kv_heads, 3, q.shape[-1]
     out = ungroup(attention._ops_decode(layer, group_query(q, hk), q, d**-0.5), hk * gqa)
     torch.testing.assert_close(out, _reference_attention(layer, q, d**-0.5), atol=2e-4, rtol=1e-3)
     if backend == "triton":  # on CPU tensors, the Triton backend routes a decode step through the ops
