@@ -7,7 +7,8 @@ README.md is docs/readme/*.md (PARTS, in order); docs/NAME.md is docs/templates/
     {{table:NAME}}    every column of bench/results/compare-NAME.json (kvpack.eval.report.markdown_table)
     {{summary:NAME}}  the columns a user chooses by, of the same file (summary_table)
     {{shard_targets}} Shard's row of every compare table (shard_rows)
-    {{decode_speed}}  bench/results/decode.json, or a line saying it is not measured yet (decode_speed)
+    {{decode_speed}}  bench/results/decode*.json, or a line saying it is not measured yet (decode_speed)
+    {{decode_speed:NAME}}  only bench/results/decode-NAME.json
 Every other page under docs/ is static markdown.
 """
 
@@ -34,8 +35,9 @@ def table(path: Path) -> str:
 
 
 def summary_table(path: Path) -> str:
-    """One row per method that ran: bytes, ratio, perplexity delta, needles, decode speed (merged rows marked `*`)."""
-    lines = ["| method | bytes/token | x fp16 | ppl delta | needles | decode (x uncompressed) |", "|---|---:|---:|---:|---:|---:|"]
+    """One row per method that ran: bytes, ratio, perplexity delta, needles (merged rows marked `*`). Decode speed
+    is left to the interleaved decode benchmark ({{decode_speed}}): a compare run's few steps are not a speed result."""
+    lines = ["| method | bytes/token | x fp16 | ppl delta | needles |", "|---|---:|---:|---:|---:|"]
     for row in json.loads(path.read_text())["rows"]:
         if row.get("status") != "ok":
             continue
@@ -43,7 +45,7 @@ def summary_table(path: Path) -> str:
         needles = f"{row['needle_found']}/{row['needle_total']}" if row.get("needle_total") else "-"
         lines.append(
             f"| {name}{' *' if row.get('merged_from') else ''} | {row['bytes_per_token']:,.0f} | {row['ratio_vs_fp16']:.2f}x | "
-            f"{row['ppl_delta_pct']:+.2f}% | {needles} | {row['decode_ratio']:.2f}x |"
+            f"{row['ppl_delta_pct']:+.2f}% | {needles} |"
         )
     return "\n".join(lines)
 
@@ -71,9 +73,9 @@ def shard_rows(results: Path) -> str:
     return "\n".join(lines)
 
 
-def decode_speed(results: Path) -> str:
-    """The end-to-end decode table from `results/decode*.json` (one file per model), or a line saying it is not measured yet."""
-    paths = sorted(results.glob("decode*.json"))
+def decode_speed(results: Path, name: str | None = None) -> str:
+    """The end-to-end decode tables from `results/decode*.json` (or only `decode-NAME.json`), or a line saying it is not measured yet."""
+    paths = sorted(results.glob("decode*.json" if name is None else f"decode-{name}.json"))
     if not paths:
         return "Decode speed: not yet measured with `python -m kvpack.bench.decode`."
     out = []
@@ -101,6 +103,7 @@ def render(text: str, results: Path = RESULTS) -> str:
     """Every placeholder of a part or template replaced by what it names."""
     text = re.sub(r"\{\{table:([\w.\-]+)\}\}", lambda m: table(results / f"compare-{m[1]}.json"), text)
     text = re.sub(r"\{\{summary:([\w.\-]+)\}\}", lambda m: summary_table(results / f"compare-{m[1]}.json"), text)
+    text = re.sub(r"\{\{decode_speed:([\w.\-]+)\}\}", lambda m: decode_speed(results, m[1]), text)
     text = text.replace("{{shard_targets}}", shard_rows(results)).replace("{{decode_speed}}", decode_speed(results))
     if "{{" in text:
         raise ValueError(f"unknown placeholder: {re.search(r'{{[^}]*}}', text)[0]}")
