@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..primitives.validation import DEBUG
-from . import cpu_lut
+from . import cpu_lut, ops
 
 # The cache's own calls skip the launchers' Python checks (its codecs built the tensors); KVPACK_DEBUG=1 restores them.
 VALIDATE = DEBUG
@@ -58,20 +58,14 @@ def merge(parts: list[Partial]) -> torch.Tensor:
     return cpu_lut.merge_partials([p[0] for p in parts], [p[1] for p in parts], [p[2] for p in parts])
 
 
-
 # -- any device: the `kvpack::` custom ops (Triton on CUDA, C++ or torch on CPU; see kernels/ops.py) --------
 def ops_exact_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> Partial:
     """Sinks or window `(b, kv, t, d)` in any float dtype: at most 127 + sinks tokens, so plain torch."""
-    s = (q @ k.float().mT) * scale
-    m = s.amax(-1, keepdim=True)
-    p = torch.exp(s - m)
-    return m, p.sum(-1, keepdim=True), p @ v.float()
+    return cpu_lut.partial_reference((q @ k.float().mT) * scale, v.float())
 
 
 def ops_segment_partial(q: torch.Tensor, seg, scale: float) -> Partial | None:
     """One segment's partial through the custom ops, on the query's device; None without an op for its codecs."""
-    from . import ops
-
     kc, vc = seg.key_codec, seg.value_codec
     kind = (kc.kernel_kind, vc.kernel_kind)
     keys, values = seg.keys, seg.values
