@@ -206,6 +206,35 @@ def test_memory_report_matches_hand_count():
     assert live <= held <= live + 2 * b * hk * 64 * (d + 2)
 
 
+@pytest.mark.parametrize("pad", [0, 100])
+def test_shard_rank_comes_from_the_prompts_real_queries_under_kvpack_attention(monkeypatch, pad):
+    """Under kvpack.enable the prompt's last real (unpadded) queries reach the PCA fit; without it key energy decides."""
+    from kvpack.cache import layer as layer_module
+    from kvpack.codecs.pca import PCAKeyCodec
+
+    monkeypatch.setattr(layer_module, "FIT_QUERIES", 1000)  # keep every real row, to see that pads are left out
+    seen, fit = [], PCAKeyCodec.fit
+    monkeypatch.setattr(PCAKeyCodec, "fit", lambda self, x, positions=None, queries=None: seen.append(queries) or fit(self, x, positions, queries))
+    model = _tiny("llama")
+    ids = torch.randint(0, 128, (2, 300), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(ids)
+    mask[0, :pad] = 0
+    for enabled in (True, False):
+        seen.clear()
+        cache = kvpack.KVCache(model, "shard")
+        (kvpack.enable if enabled else kvpack.disable)(model)
+        with torch.no_grad():
+            model(ids, attention_mask=mask, past_key_values=cache)
+        kvpack.disable(model)
+        codec = cache.layers[0]._codecs["prefill_key"]
+        assert codec.rank_source == ("queries" if enabled else "energy")
+        assert all(layer.fit_queries is None for layer in cache.layers)
+        if enabled:
+            assert [q.shape for q in seen] == [(2, 4, 300 - pad, 16)] * 2  # batch, q heads, real rows, head_dim
+        else:
+            assert seen == [None, None]
+
+
 def test_prompt_flush_respects_codec_token_multiple():
     b, hk, d = 1, 2, 64
     layer = KVPackLayer(get_method("kivi:2"), 0, _Cfg())

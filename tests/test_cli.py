@@ -128,6 +128,14 @@ def test_merge_rows_replaces_a_rerun_method_and_marks_it():
     assert "| shard * |" in markdown_table(merged["rows"])
     with pytest.raises(SystemExit, match="context"):
         merge_rows.merge(base, {**update, "config": {**update["config"], "context": 2048}}, "u.json")
+    # A rerun with the newer needle grid merges only when asked, and its rows carry their own grid.
+    newer = {**update, "config": {**update["config"], "needle_depths": [0.0, 0.5, 1.0], "needle_kinds": ["passkey", "fact"]}}
+    with pytest.raises(SystemExit, match="needle_depths"):
+        merge_rows.merge(base, newer, "u.json")
+    merged = merge_rows.merge(base, newer, "u.json", needle_may_differ=True)
+    assert merged["rows"][1]["needle_protocol"]["needle_depths"] == [0.0, 0.5, 1.0]
+    with pytest.raises(SystemExit, match="ppl_tokens"):
+        merge_rows.merge(base, {**newer, "config": {**newer["config"], "ppl_tokens": 256}}, "u.json", needle_may_differ=True)
 
 
 # -- every argument checked before any work: one line on stderr, exit status 2 ----------------------

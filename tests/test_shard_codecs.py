@@ -185,3 +185,69 @@ def test_configs_validate():
         VQConfig(token_norm="yes")
     with pytest.raises(ValueError, match="divide"):
         VQValueCodec(VQConfig(group_size=5), D, KV)
+
+
+def _keys_with_a_weak_direction_queries_read(tokens=240, batch=2):
+    """Rank-10 un-RoPEd keys plus one orthogonal direction with ~0.1% of their variance, and queries
+    that read mostly that direction (both RoPE'd)."""
+    gen = torch.Generator().manual_seed(3)
+    ch = (D - 8, D // 2 - 8)  # a low-frequency RoPE pair of head 0
+    mix = torch.randn(10, KV * D, generator=gen) * torch.linspace(3, 0.5, 10)[:, None]
+    mix[:, list(ch)] = 0.0  # the strong subspace leaves the pair empty
+    k0 = torch.randn(batch, tokens, 10, generator=gen) @ mix + 0.01 * torch.randn(batch, tokens, KV * D, generator=gen)
+    k0[..., ch[0]] += 0.4 * torch.randn(batch, tokens, generator=gen)
+    k0 = k0.view(batch, tokens, KV, D).transpose(1, 2)
+    positions = torch.arange(4, 4 + tokens)[None] + 17 * torch.arange(batch)[:, None]
+    cos, sin = hf_cos_sin(positions, 1.0)
+    keys = apply_rotary_pos_emb(k0, k0, cos, sin)[0]
+    q0 = 0.1 * torch.randn(batch, KV * 2, 16, D, generator=gen)
+    q0[:, :2, :, ch[0]] += 30.0  # the query heads of kv head 0
+    q_cos, q_sin = hf_cos_sin(positions[:, -16:], 1.0)
+    return keys, positions, apply_rotary_pos_emb(q0, q0, q_cos, q_sin)[0]
+
+
+def _centered_score_error(queries, keys, approx):
+    """Σ (q·k̂ - q·k)² / Σ (q·k - mean over keys)², plain torch with transformers' GQA convention."""
+    b, hq, m, d = queries.shape
+    kv = keys.shape[1]
+    q = queries.reshape(b, kv, hq // kv * m, d)
+    exact, got = q @ keys.mT, q @ approx.mT
+    return ((got - exact).square().sum() / (exact - exact.mean(-1, keepdim=True)).square().sum()).item()
+
+
+def _truncated_keys(keys, positions, rank):
+    """Reference truncation: eigendecomposition of the un-RoPEd keys' covariance (all heads as one vector)."""
+    cos, sin = hf_cos_sin(positions, 1.0)
+    k0 = apply_rotary_pos_emb(keys, keys, cos, -sin)[0].double()  # RoPE undone (rotation by -θ)
+    b, kv, t, d = k0.shape
+    x = k0.transpose(1, 2).reshape(b * t, kv * d)
+    mean = x.mean(0)
+    _, vecs = torch.linalg.eigh((x - mean).mT @ (x - mean))
+    top = vecs[:, -rank:]
+    x = (x - mean) @ top @ top.mT + mean
+    k0 = x.view(b, t, kv, d).transpose(1, 2).float()
+    return apply_rotary_pos_emb(k0, k0, cos, sin)[0]
+
+
+def test_pca_rank_from_queries_is_the_smallest_within_the_score_error():
+    keys, positions, queries = _keys_with_a_weak_direction_queries_read()
+    tau = 0.03
+    codec = PCAKeyCodec(PCAConfig(bits=8, group_size=4, score_error=tau), D, KV)
+    codec.set_rope(INV_FREQ)
+    codec.fit(keys, positions, queries=queries)
+    errors = {r: _centered_score_error(queries, keys, _truncated_keys(keys, positions, r)) for r in range(4, 25, 4)}
+    expected = min(r for r, e in errors.items() if e <= tau)
+    assert codec.rank_source == "queries" and codec.rank == expected, (codec.rank, errors)
+
+
+def test_pca_rank_from_queries_keeps_what_key_energy_drops():
+    """Key variance alone drops the weak direction the queries read (Qwen2.5's failure, docs/shard.md)."""
+    keys, positions, queries = _keys_with_a_weak_direction_queries_read()
+    by_energy = PCAKeyCodec(PCAConfig(group_size=4), D, KV)
+    by_queries = PCAKeyCodec(PCAConfig(group_size=4), D, KV)
+    for codec, q in ((by_energy, None), (by_queries, queries)):
+        codec.set_rope(INV_FREQ)
+        codec.fit(keys, positions, queries=q)
+    assert by_energy.rank_source == "energy" and by_queries.rank_source == "queries"
+    err = {c.rank_source: _centered_score_error(queries, keys, c.decode(c.encode(keys, positions), positions)) for c in (by_energy, by_queries)}
+    assert err["energy"] > 0.3 and err["queries"] < 0.05, err

@@ -198,6 +198,7 @@ def kvpack_attention_forward(module, query, key, value, attention_mask, dropout:
         out = fused_decode(layer, query, scaling)
     if out is None:
         out = segmented_attention(layer, query, attention_mask, scaling, kwargs.get("softcap"))
+    layer.observe_queries(query)
     layer.flush()
     return out.to(query.dtype).transpose(1, 2).contiguous(), None
 

@@ -7,6 +7,7 @@ vs budget curve, needle recall and decode speed, each against an uncompressed `D
     python -m kvpack.bench.shard curve   --model smollm2-135m
     python -m kvpack.bench.shard needle  --model smollm2-135m --lengths 1024
     python -m kvpack.bench.shard ablation --model smollm2-135m --prefix 8192   # which half loses quality
+    python -m kvpack.bench.shard layers  --model qwen2.5-0.5b --prefix 2048    # attention error per layer, K and V apart
     python -m kvpack.bench.shard report                # tables + PNG from the JSON files only
 
 Every experiment writes `bench/results/shard_<experiment>_<model>.json` (rows appended per run, so a
@@ -321,10 +322,84 @@ def _plot_curve(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def _prompt_qkv(model, ids: torch.Tensor) -> dict[int, tuple[torch.Tensor, ...]]:
+    """Each layer's RoPE'd query, key and value `(1, heads, tokens, d)` float32 from one prefill, via SDPA."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    seen = {}
+
+    def record(module, query, key, value, attention_mask, **kwargs):
+        seen[module.layer_idx] = (query.float(), key.float(), value.float())
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register("kvpack-record", record)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("kvpack-record")
+    try:
+        model(ids)
+    finally:
+        model.set_attn_implementation(previous)
+    return seen
+
+
+def _attention_error(q, k, v, k_hat, v_hat, first: int) -> float:
+    """Mean relative squared error of causal attention outputs for queries from `first` on."""
+    rep = q.shape[1] // k.shape[1]
+    mask = torch.ones(q.shape[2] - first, k.shape[2], dtype=torch.bool).tril(first)
+    ref, got = (
+        torch.nn.functional.scaled_dot_product_attention(q[:, :, first:], kk.repeat_interleave(rep, 1), vv.repeat_interleave(rep, 1), attn_mask=mask)
+        for kk, vv in ((k, v), (k_hat, v_hat))
+    )
+    return ((got - ref).square().sum(-1) / ref.square().sum(-1)).mean().item()
+
+
+@torch.no_grad()
+def run_layers(name: str, prefix: int, out: Path) -> None:
+    """Where Shard loses, layer by layer: the prompt encoded with only K (two rank rules) or only V lossy.
+
+    The prompt's last 128 queries choose the query-measured rank, as the cache does under kvpack attention;
+    queries from the prompt's second half score the attention error. Sinks stay exact, as in the cache.
+    """
+    import kvpack
+    from kvpack.bench.env import environment
+    from kvpack.cache.layer import FIT_QUERIES
+    from kvpack.text import token_stream
+
+    model, tok = _load(name)
+    ids = token_stream(tok, "news", prefix)[None]
+    qkv = _prompt_qkv(model, ids)
+    layers = kvpack.KVCache(model, "shard").layers
+    base = kvpack.get_method("shard")
+    sides = {
+        "K, rank by key energy": ("key", kvpack.CodecSpec("pca", {**base.prefill_key.options, "score_error": None})),
+        "K, rank by prompt queries": ("key", base.prefill_key),
+        "V": ("value", base.prefill_value),
+    }
+    positions = torch.arange(prefix)[None]
+    rows = []
+    for li, (q, k, v) in sorted(qkv.items()):
+        row = {"layer": li}
+        for label, (side, spec) in sides.items():
+            x = k if side == "key" else v
+            codec = spec.build(x.shape[-1], x.shape[1], li)
+            if codec.uses_positions:
+                codec.set_rope(*layers[li].rope)
+            codec.fit(x, positions, **({"queries": q[:, :, -FIT_QUERIES:]} if codec.fits_on_queries else {}))
+            packed = codec.encode(x, positions)
+            x_hat = codec.decode(packed, positions).float()
+            x_hat[:, :, : base.sink_tokens] = x[:, :, : base.sink_tokens]
+            k_hat, v_hat = (x_hat, v) if side == "key" else (k, x_hat)
+            row[label] = {"attn_error": _attention_error(q, k, v, k_hat, v_hat, prefix // 2), "bits_per_value": 8 * packed.nbytes() / x.numel()}
+            row[label] |= {"rank": codec.rank} if side == "key" else {}
+        rows.append(row)
+    _append(out / f"shard_layers_{name}.json", {"env": environment("python -m kvpack.bench.shard"), "model": name, "prefix": prefix, "layers": rows})
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", nargs="?", default="all", choices=["all", "context", "ppl", "curve", "controls", "needle", "ablation", "report"])
-    p.add_argument("--prefix", type=int, default=2048, help="ablation: tokens prefilled before scoring")
+    p.add_argument("what", nargs="?", default="all", choices=["all", "context", "ppl", "curve", "controls", "needle", "ablation", "layers", "report"])
+    p.add_argument("--prefix", type=int, default=2048, help="ablation, layers: tokens prefilled before scoring")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--contexts", default="2048,4096,8192")
     p.add_argument("--decode", type=int, default=8, help="greedy decode steps timed after each prefill (median, first dropped)")
@@ -350,6 +425,8 @@ def main(argv: list[str] | None = None) -> None:
         run_ppl(a.model, CONTROLS, out, "curve")
     if a.what == "ablation":
         run_ppl(a.model, [(label, m, None) for label, m in ablation_methods()], out, f"ablation{a.prefix // 1024}k", prefix=a.prefix)
+    if a.what == "layers":
+        run_layers(a.model, a.prefix, out)
     if a.what in ("needle", "all"):
         run_needle(a.model, ints(a.lengths), [float(x) for x in a.depths.split(",")], out)
     print(report(out))

@@ -24,6 +24,9 @@ from .blocks import BlockRun
 # no layer tag on its keys (code between update and attention rebuilt the tensor), it can tell that
 # attention would silently run over the new tokens only, and refuse.
 PENDING = threading.local()
+# Prompt queries kept for a codec fit that measures attention scores: 128 rows x all heads is a
+# few hundred KB at most, and enough to rank a basis (docs/shard.md).
+FIT_QUERIES = 128
 
 
 def deepcopy_sharing(obj, memo: dict, *shared) -> object:
@@ -133,6 +136,9 @@ class KVPackLayer(CacheLayerMixin):
         self.updates = 0
         self._codecs: dict[str, Codec] = {}
         self.pending_attention = False  # set by update, cleared when kvpack attention reads the layer
+        # The last prompt queries kvpack attention saw, kept until the prompt's codecs are fitted
+        # (codecs with `fits_on_queries`, e.g. Shard's PCA choosing its rank by score error).
+        self.fit_queries: torch.Tensor | None = None
         self.is_initialized = False
 
     @property
@@ -331,6 +337,19 @@ class KVPackLayer(CacheLayerMixin):
             self.segments.pop()
 
     # -- compression ---------------------------------------------------------------------------
+    def observe_queries(self, query: torch.Tensor) -> None:
+        """Keep the last `FIT_QUERIES` real query rows `(batch, q_heads, m, d)` seen while nothing is fitted yet.
+
+        Rows accumulate over forwards, so a short prompt followed by decode steps still fits on many queries.
+        """
+        if self.segments:
+            return
+        real = query.shape[2] - (self.pad_max if self.updates == 1 else 0)  # left padding leads the first forward
+        rows = query[:, :, query.shape[2] - max(real, 0) :].detach().float()
+        if self.fit_queries is not None:
+            rows = torch.cat([self.fit_queries, rows], dim=2)
+        self.fit_queries = rows[:, :, -FIT_QUERIES:] if rows.shape[2] else None
+
     def flush(self) -> None:
         """Compress what overflows the window (called after attention read it): the prompt, then whole blocks."""
         self.pending_attention = False
@@ -352,8 +371,9 @@ class KVPackLayer(CacheLayerMixin):
         start = self.length - self.win_k.shape[2]
         if prefill:
             positions = self.positions(start, n)
-            kc.fit(k, positions)
-            vc.fit(v, positions)
+            kc.fit(k, positions, **({"queries": self.fit_queries} if kc.fits_on_queries else {}))
+            vc.fit(v, positions, **({"queries": self.fit_queries} if vc.fits_on_queries else {}))
+            self.fit_queries = None
         # Tokens already past an older tier's boundary (a long prompt) go straight to that tier: no double encode.
         done = 0
         for level in range(len(self.method.tiers), 0, -1) if not prefill else ():
@@ -507,4 +527,6 @@ class KVPackLayer(CacheLayerMixin):
             self.pos_offset = fn(self.pos_offset)
         if self.pad is not None:
             self.pad = fn(self.pad)
+        if self.fit_queries is not None:
+            self.fit_queries = fn(self.fit_queries)
         self.batch = self.sink_k.shape[0]

@@ -59,10 +59,11 @@ _DTYPES = {n: getattr(torch, n) for n in ("float16", "bfloat16", "float32", "flo
 _PACKED_CLASS = re.compile(r"(kvpack(?:\.\w+)+):(\w+(?:\.\w+)*)")
 # KVPackLayer attributes a file restores (saved or rebuilt from the method and model); tests compare this
 # with a filled layer's attributes, so a new attribute fails there until serialization handles it.
+# `fit_queries` (prompt queries awaiting the first fit) is not saved: a loaded layer collects them again.
 LAYER_ATTRIBUTES = frozenset({
     "method", "layer_idx", "model_config", "rope", "length", "updates", "sink_k", "sink_v", "win_k", "win_v", "segments",
     "pos_offset", "pad", "pad_max", "_codecs", "pending_attention", "is_initialized", "dtype", "device", "batch", "kv_heads",
-    "head_dim", "v_head_dim", "exact_dtype", "keys", "values",
+    "head_dim", "v_head_dim", "exact_dtype", "keys", "values", "fit_queries",
 })
 
 

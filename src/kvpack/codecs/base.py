@@ -162,6 +162,9 @@ class Codec(ABC):
     # Codecs that store keys without RoPE (Shard's PCA) need token positions and the model's
     # rotary frequencies; the cache passes positions and calls `set_rope` when this is True.
     uses_positions: ClassVar[bool] = False
+    # Codecs whose `fit` can use a sample of the prompt's queries (`fit(x, positions, queries=...)`):
+    # the cache passes the last prompt queries it saw under kvpack attention, None otherwise.
+    fits_on_queries: ClassVar[bool] = False
 
     @property
     def token_multiple(self) -> int:

@@ -33,6 +33,7 @@ from ..primitives.validation import check_query
 from .base import Codec, Packed, check_state, group_query
 from .rope_keys import UnRopedKeys
 
+_SCORE_KEYS = 1024  # keys sampled from the prompt to measure the score error of a truncated basis
 _CHUNK_ELEMENTS = 1 << 22  # float32 entries of the largest temporary in `scores` (16 MiB)
 
 
@@ -71,6 +72,7 @@ class PCAConfig:
 
     rank: int | None = None
     energy: float = 0.90
+    score_error: float | None = 0.03
     bits: float = 4.0
     group_size: int = 16
     drop_penalty: float = 4.0
@@ -83,6 +85,8 @@ class PCAConfig:
             raise ValueError(f"rank must be >= 1 or None, got {self.rank}")
         if not 0.0 < self.energy <= 1.0:
             raise ValueError(f"energy must be in (0, 1], got {self.energy}")
+        if self.score_error is not None and not 0.0 < self.score_error < 1.0:
+            raise ValueError(f"score_error must be in (0, 1), or None to choose the rank by key energy, got {self.score_error}")
         if not 2.0 <= self.bits <= 8.0:
             raise ValueError(f"bits (average per kept component) must be in [2, 8], got {self.bits}")
         if self.group_size < 1:
@@ -106,6 +110,7 @@ class PCAPacked(Packed):
 class PCAKeyCodec(UnRopedKeys, Codec):
     name = "pca"
     uses_positions = True
+    fits_on_queries = True
 
     def __init__(self, config: PCAConfig, head_dim: int, kv_heads: int, layer_idx: int = 0):
         super().__init__(config, head_dim, kv_heads, layer_idx)
@@ -120,6 +125,7 @@ class PCAKeyCodec(UnRopedKeys, Codec):
         self.basis_scale: torch.Tensor | None = None  # (groups, rank) float16; None for an fp16 basis
         self.coef_scale: torch.Tensor | None = None  # (groups, rank) float16
         self.segments: tuple[tuple[int, int], ...] = ()  # (components, bits) of consecutive kept components
+        self.rank_source: str | None = None  # how `fit` chose the rank: "config", "queries" or "energy"
 
     # -- RoPE and layout -----------------------------------------------------------------------
     def _positions(self, positions: torch.Tensor | None, batch: int, tokens: int, device) -> torch.Tensor:
@@ -232,13 +238,20 @@ class PCAKeyCodec(UnRopedKeys, Codec):
         self._kernel_cache = (self.basis, self.rope, state)
         return state
 
-    def fit(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> None:
-        """Basis, bit allocation and scales from keys `x (batch, kv_heads, tokens, head_dim)` (RoPE'd)."""
+    def fit(self, x: torch.Tensor, positions: torch.Tensor | None = None, queries: torch.Tensor | None = None) -> None:
+        """Basis, bit allocation and scales from keys `x (batch, kv_heads, tokens, head_dim)` (RoPE'd);
+        `queries (batch, q_heads, m, head_dim)` (RoPE'd, e.g. the prompt's last ones) choose the rank."""
         cfg = self.config
         x0 = self._unroped(x, positions)
         samples = x0.transpose(0, 1).reshape(self.groups, -1, self.group_dim).cpu()
         result = pca(samples)
-        rank = min(cfg.rank, self.group_dim) if cfg.rank is not None else rank_for_energy(result.variances, cfg.energy)
+        if cfg.rank is not None:
+            rank, self.rank_source = min(cfg.rank, self.group_dim), "config"
+        elif queries is not None and cfg.score_error is not None:
+            pos = self._positions(positions, x.shape[0], x.shape[2], x.device).cpu()
+            rank, self.rank_source = self._rank_for_scores(x0.cpu(), pos, result, queries.cpu()), "queries"
+        else:
+            rank, self.rank_source = rank_for_energy(result.variances, cfg.energy), "energy"
         sizes = [min(cfg.group_size, rank - i) for i in range(0, rank, cfg.group_size)]
         starts = [i * cfg.group_size for i in range(len(sizes))]
         # One allocation for all groups (a per-head basis shares it), so every token packs to the same bytes.
@@ -271,6 +284,34 @@ class PCAKeyCodec(UnRopedKeys, Codec):
         coefs = self._project(x0.cpu())
         absmax = coefs.abs().amax((0, 2)).clamp_min(1e-8)  # (groups, rank)
         self.coef_scale = (absmax / self._qmax()).half()
+
+    def _rank_for_scores(self, x0: torch.Tensor, positions: torch.Tensor, result, queries: torch.Tensor) -> int:
+        """Smallest multiple of `group_size` whose truncation keeps the relative score error within `score_error`.
+
+        x0: un-RoPEd keys `(b, groups, t, group_dim)`; positions `(b, t)`; queries `(b, q_heads, m, d)`.
+        Error = Σ (q·RoPE(k - k_r))² / Σ (q·k - mean over keys)², over the queries and up to
+        `_SCORE_KEYS` keys spread over the prompt; the truncation residual shrinks one group at a time.
+        """
+        t = x0.shape[2]
+        idx = torch.linspace(0, t - 1, min(t, _SCORE_KEYS)).round().long().unique()
+        x0, pos = x0[:, :, idx].double(), positions[:, idx]
+        cos, sin = self._cos_sin(pos, x0.shape[0], len(idx), x0.device)
+        q = group_query(queries.double(), self.kv_heads)  # (b, kv, rows, d)
+
+        def scores(y: torch.Tensor) -> torch.Tensor:  # un-RoPEd grouped vectors -> raw scores (b, kv, rows, n)
+            return q @ apply_rope(self._from_groups(y), cos.double(), sin.double()).mT
+
+        residual = x0 - result.mean.double()[None, :, None]
+        exact = scores(x0)
+        total = (exact - exact.mean(-1, keepdim=True)).square().sum().clamp_min(1e-30)
+        basis = result.basis.double()  # (groups, D, D') full
+        coefs = residual @ basis  # (b, groups, n, D')
+        step = self.config.group_size
+        for r in range(step, basis.shape[-1], step):
+            residual = residual - coefs[..., r - step : r] @ basis[:, :, r - step : r].mT[None]
+            if scores(residual).square().sum() <= self.config.score_error * total:
+                return r
+        return basis.shape[-1]
 
     def _project(self, x0: torch.Tensor) -> torch.Tensor:
         """Least-squares coefficients against the *dequantized* basis: `(b, groups, t, D) -> (b, groups, t, rank)`."""
