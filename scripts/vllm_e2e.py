@@ -28,6 +28,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL = Path("~/.cache/kvpack/hf/smollm2-135m").expanduser()
 DEFAULT_CORPUS = REPO / ".venv/lib/python3.11/site-packages/gensim/test/test_data/lee_background.cor"
+# Writers skip the teacher-forced pass: its longer prompts would store extra chunks and skew bytes and save time.
+WRITER_ONLY_GENERATES = {"writer": {"teacher": None}, "reader": {}}
 
 
 def run_instance(spec: dict) -> dict:
@@ -47,7 +49,7 @@ def run_instance(spec: dict) -> dict:
     out = llm.generate([TokensPrompt(prompt_token_ids=spec["prompt_ids"])], params, use_tqdm=False)[0]
     generate_s = time.perf_counter() - began
     steps = [sorted(step.values(), key=lambda lp: lp.rank) for step in out.outputs[0].logprobs]
-    return {
+    return teacher_forced(llm, spec, list(out.outputs[0].token_ids)) | {
         "token_ids": list(out.outputs[0].token_ids),
         # Greedy's lead at each step: logprob of the chosen token minus the runner-up's (a near-tie flips easily).
         "top2_margin": [round(s[0].logprob - s[1].logprob, 4) for s in steps],
@@ -58,6 +60,24 @@ def run_instance(spec: dict) -> dict:
         "torch_threads": torch.get_num_threads(),
         "dtype": str(llm.llm_engine.model_config.dtype).removeprefix("torch."),
     }
+
+
+def teacher_forced(llm, spec: dict, own: list[int]) -> dict:
+    """Top-1 prediction after the prompt plus the first i teacher tokens, for every i (one batch of requests).
+
+    The teacher is the reference run's greedy text (`spec["teacher"]`, or this run's own when "self"), so every
+    instance predicts from the same token history: agreement then counts the steps where the cache changed the
+    next-token choice, without one early difference derailing everything after it.
+    """
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    teacher = own if spec.get("teacher") == "self" else spec.get("teacher")
+    if not teacher:
+        return {}
+    prompts = [TokensPrompt(prompt_token_ids=spec["prompt_ids"] + teacher[:i]) for i in range(len(teacher))]
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+    return {"teacher_ids": teacher, "teacher_forced_ids": [o.outputs[0].token_ids[0] for o in outs]}
 
 
 def spawn(spec: dict) -> dict:
@@ -98,6 +118,9 @@ def match(run: dict, reference: dict) -> dict:
     }
     if lead < len(ref):
         out["reference_margin_at_divergence"] = reference["top2_margin"][lead]
+    if run.get("teacher_ids") and run["teacher_ids"] == reference.get("teacher_ids"):
+        pairs = list(zip(run["teacher_forced_ids"], reference["teacher_forced_ids"], strict=True))
+        out["teacher_forced_agree"] = sum(a == b for a, b in pairs)
     return out
 
 
@@ -190,7 +213,8 @@ def main() -> None:
     runs: dict[str, dict] = {}
     try:
         print("reference: no connector", flush=True)
-        runs["no_connector"] = spawn({**base, "label": "no_connector"})
+        runs["no_connector"] = spawn({**base, "label": "no_connector", "teacher": "self"})
+        base["teacher"] = runs["no_connector"]["token_ids"]  # every later instance predicts along this text
         store = work / "example"
         for role in ("writer", "reader"):
             print(f"ExampleConnector {role} (uncompressed)", flush=True)
@@ -198,9 +222,11 @@ def main() -> None:
                 **base,
                 "label": f"example-{role}",
                 "kv_transfer_config": connector("ExampleConnector", None, {"shared_storage_path": str(store)}),
+                **WRITER_ONLY_GENERATES[role],
             }
             runs[f"example_{role}"] = spawn(spec)
-        runs["example_writer"]["bytes_on_disk"], runs["example_writer"]["files"] = dir_bytes(store)
+            if role == "writer":  # before the reader, whose teacher-forced prompts store chunks of their own
+                runs["example_writer"]["bytes_on_disk"], runs["example_writer"]["files"] = dir_bytes(store)
         for method in args.methods:
             store, log = work / method.replace(":", "_"), work / f"{method.replace(':', '_')}.jsonl"
             extra = {"path": str(store), "method": method, "log_file": str(log)}
@@ -210,6 +236,7 @@ def main() -> None:
                     **base,
                     "label": f"{method}-{role}",
                     "kv_transfer_config": connector("KVPackConnector", "kvpack.serve.vllm_connector", extra),
+                    **WRITER_ONLY_GENERATES[role],
                 }
                 result = spawn(spec)
                 ops = [r for r in read_log(log) if r["op"] == ("save" if role == "writer" else "load")]
@@ -258,7 +285,7 @@ def main() -> None:
     damaged.update(vs_writer=match(damaged, runs[f"{args.methods[0]}_writer"]), vs_no_connector=match(damaged, none))
     result = {
         "environment": environment(),
-        "setup": {k: v for k, v in base.items() if k != "prompt_ids"}
+        "setup": {k: v for k, v in base.items() if k not in ("prompt_ids", "teacher")}
         | {"prompt_tokens": args.prompt_tokens, "corpus": Path(args.corpus).name},
         "reference_text": runs["no_connector"]["text"],
         "uncompressed_bytes_on_disk": uncompressed,
@@ -281,17 +308,23 @@ def table(result: dict) -> str:
             return f"{m['leading_match']}/{setup['max_tokens']} (equal)"
         return f"{m['leading_match']}/{setup['max_tokens']} (margin {m['reference_margin_at_divergence']:.3f})"
 
+    def forced(m: dict) -> str:
+        n = m.get("teacher_forced_agree")
+        return "-" if n is None else f"{n}/{setup['max_tokens']} ({100 * n / setup['max_tokens']:.0f}%)"
+
     lines = [
         f"vLLM {env['vllm']}, torch {env['torch']}, {env['cpu']} ({env['cpu_count']} cores), model dtype {dtype}, "
         f"prompt {setup['prompt_tokens']} tokens, {setup['max_tokens']} greedy tokens; `{env['command']}`",
         "",
-        "| store | tokens loaded | bytes on disk | bytes/token | vs uncompressed | reader = writer (leading tokens) | reader = no connector | save s | load s |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| store | tokens loaded | bytes on disk | bytes/token | vs uncompressed | reader = writer (leading tokens) | reader = no connector "
+        "| reader = no connector, teacher-forced | save s | load s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in result["summary"]:
         lines.append(
             f"| {row['method']} | {row['tokens_loaded']} | {row['bytes_on_disk']:,} | {row['bytes_per_token']:,} | {row['vs_uncompressed']:.3f} | "
-            f"{agree(row['reader_vs_writer'])} | {agree(row['reader_vs_no_connector'])} | {row['save_s'] if row['save_s'] is not None else '-'} | "
+            f"{agree(row['reader_vs_writer'])} | {agree(row['reader_vs_no_connector'])} | {forced(row['reader_vs_no_connector'])} | "
+            f"{row['save_s'] if row['save_s'] is not None else '-'} | "
             f"{row['load_s'] if row['load_s'] is not None else '-'} |"
         )
     return "\n".join(lines)

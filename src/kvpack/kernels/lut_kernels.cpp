@@ -96,7 +96,23 @@ void score_tokens(const float* tables, const uint8_t* codes, const at::Half* nor
     const uint8_t* r[TT];
     for (int i = 0; i < TT; ++i) r[i] = codes + (t + std::min(i, n - 1)) * L.nbytes;  // short tail: repeat the last row
     V acc[TT] = {};
-    for (int u = 0; u < L.units; ++u) {
+    int u = 0;
+    if (PAIR3) {
+      // Eight 3-bit codes fill 3 bytes exactly: four 6-bit table indices from one 24-bit word, with
+      // no per-unit straddle test (the tail of a row whose units are not a multiple of 4 goes below).
+      for (; u + 4 <= L.units; u += 4) {
+        const int byte = 3 * (u / 4);
+        for (int i = 0; i < TT; ++i) {
+          const uint32_t word = r[i][byte] | (r[i][byte + 1] << 8) | (r[i][byte + 2] << 16);
+          for (int k = 0; k < 4; ++k) {
+            V e;
+            std::memcpy(&e, tables + (u + k) * unit_stride + ((word >> (6 * k)) & 63) * W, sizeof(V));
+            acc[i] += e;
+          }
+        }
+      }
+    }
+    for (; u < L.units; ++u) {
       const float* tab = tables + u * unit_stride;
       for (int i = 0; i < TT; ++i) {
         V e;

@@ -45,6 +45,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from ..registry import get_method
 from . import blocks
+from .paged_layout import PlaneLayout, probe_layout
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -229,14 +230,28 @@ class KVPackConnector(KVConnectorBase_V1):
                     "kernel block sizes other than the cache block size are not supported)"
                 )
         self._layers = layers
+        self._layout = self._plane_layout(layers[0][1])
 
-    def _split(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """A layer's paged cache `[blocks, kv_heads, block_size, 2 * head_dim]` -> K, V views `[blocks, kv_heads, block_size, head_dim]`."""
-        if current_platform.is_cpu():
-            # The CPU backend reads each (block, head) as block_size key rows, then block_size value rows.
-            n, h, bs, _ = kv.shape
-            return kv.view(n, h, 2 * bs, self.head_dim).chunk(2, dim=2)
-        return kv.split(self.head_dim, dim=-1)  # K | V along the content axis (FlashAttention's reading; untested)
+    def _plane_layout(self, kv: torch.Tensor) -> PlaneLayout:
+        """Where the attention backend keeps each token's K and V inside a (block, head) plane.
+
+        On CPU the backend's own cache writer is probed (it keeps K transposed, and tiles both under
+        AMX); elsewhere K | V along the content axis, FlashAttention's reading (untested on GPU).
+        """
+        _, kv_heads, block_size, _ = kv.shape
+        if not current_platform.is_cpu():
+            return PlaneLayout.content_split(block_size, self.head_dim)
+        from vllm import _custom_ops as ops
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        isa = _get_attn_isa(kv.dtype, block_size, self.head_dim, "auto")
+
+        def write(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor) -> None:
+            kc, vc = cache.view(1, kv_heads, 2 * block_size, self.head_dim).chunk(2, dim=2)
+            slots = torch.arange(block_size)
+            ops.cpu_attn_reshape_and_cache(key, value, kc, vc, slots, isa, k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+
+        return probe_layout(write, kv_heads, block_size, self.head_dim, kv.dtype)
 
     def _expect(self, chunk: int, kv_heads: int) -> dict[str, object]:
         return {
@@ -270,9 +285,7 @@ class KVPackConnector(KVConnectorBase_V1):
                 return
             blk, off = slots // self.block_size, slots % self.block_size
             for layer, (_, kv) in enumerate(self._layers):
-                kc, vc = self._split(kv)
-                kc[blk, :, off] = k[layer, first:].to(kc.dtype)
-                vc[blk, :, off] = v[layer, first:].to(vc.dtype)
+                self._layout.scatter(kv, blk, off, k[layer, first:], v[layer, first:])
             self._log(op="load", key=key, chunk=c, tokens=len(slots), seconds=time.perf_counter() - began)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -283,14 +296,10 @@ class KVPackConnector(KVConnectorBase_V1):
         assert isinstance(meta, KVPackMetadata)
         if not meta.saves:
             return
-        kc, vc = self._split(kv_layer)
         for t in meta.saves:
             slots = t.slots.flatten()
             blk, off = slots // self.block_size, slots % self.block_size
-            self._saving.setdefault(t.req_id, {})[layer_name] = (
-                kc[blk, :, off].clone(),
-                vc[blk, :, off].clone(),
-            )  # (tokens, heads, d)
+            self._saving.setdefault(t.req_id, {})[layer_name] = self._layout.gather(kv_layer, blk, off)  # (tokens, heads, d) each
 
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
