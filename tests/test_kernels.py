@@ -170,6 +170,14 @@ def test_a_build_is_announced_and_a_cached_build_is_silent(monkeypatch, capsys):
     assert build() == "module" and capsys.readouterr().err == ""
 
 
+def test_each_python_environment_gets_its_own_build(monkeypatch):
+    """Two virtual environments on one machine would otherwise rebuild one shared name in turn (~35 s each time)."""
+    here = cpu_lut._build_name(openmp=True)
+    monkeypatch.setattr(cpu_lut.sys, "prefix", "/elsewhere/.venv")
+    there = cpu_lut._build_name(openmp=True)
+    assert here != there and here.rsplit("_", 2)[0] == there.rsplit("_", 2)[0]  # same CPU tag and source hash
+
+
 def test_the_installed_build_is_found_as_built():
     """The real, cached build of this session is recognised, so users see no message on a second run."""
     assert cpu_lut._is_built(cpu_lut._build_name(openmp=True)) or cpu_lut._is_built(cpu_lut._build_name(openmp=False))

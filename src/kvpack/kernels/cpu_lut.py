@@ -47,9 +47,12 @@ _build_errors: list[str] = []  # why the last build attempt failed, for `unavail
 
 
 def _build_name(openmp: bool) -> str:
-    """One build per CPU feature set and source version: a changed source is a new name, never a silent rebuild."""
+    """One build per CPU feature set, source version and Python environment: a changed source is a new
+    name, never a silent rebuild. torch shares one build directory per Python version, and its build
+    flags name the environment's torch headers, so two environments sharing a name rebuilt it in turn."""
     source = hashlib.sha1(SOURCE.read_bytes()).hexdigest()[:8]
-    return f"kvpack_lut_{_cpu_tag()}_{source}{'_omp' if openmp else ''}"
+    env = hashlib.sha1(sys.prefix.encode()).hexdigest()[:6]
+    return f"kvpack_lut_{_cpu_tag()}_{source}_{env}{'_omp' if openmp else ''}"
 
 
 def _is_built(name: str) -> bool:
@@ -65,7 +68,7 @@ def _is_built(name: str) -> bool:
 def _extension() -> ModuleType | None:
     """Build (or load the cached build of) the extension; None, with one warning, if that fails.
 
-    A build prints one line to stderr before it starts (about a minute, once per CPU and kvpack
+    A build prints one line to stderr before it starts (about a minute, once per CPU, environment and kvpack
     version): `KVCache(model, ...)` triggers it on CPU, so it never hides inside a decode step."""
     from torch.utils.cpp_extension import load
 
