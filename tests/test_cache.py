@@ -233,6 +233,13 @@ def test_shard_rank_comes_from_the_prompts_real_queries_under_kvpack_attention(m
             assert [q.shape for q in seen] == [(2, 4, 300 - pad, 16)] * 2  # batch, q heads, real rows, head_dim
         else:
             assert seen == [None, None]
+    # A method whose codecs fit without queries keeps none, even before its first fit.
+    cache = kvpack.KVCache(model, "turboquant:k3v2")
+    kvpack.enable(model)
+    with torch.no_grad():
+        model(ids[:, :40], past_key_values=cache)
+    kvpack.disable(model)
+    assert not cache.layers[0].segments and cache.layers[0].fit_queries is None
 
 
 def test_prompt_flush_respects_codec_token_multiple():

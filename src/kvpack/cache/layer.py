@@ -342,13 +342,17 @@ class KVPackLayer(CacheLayerMixin):
 
         Rows accumulate over forwards, so a short prompt followed by decode steps still fits on many queries.
         """
-        if self.segments:
+        if self.segments or not self._fits_on_queries():
             return
         real = query.shape[2] - (self.pad_max if self.updates == 1 else 0)  # left padding leads the first forward
         rows = query[:, :, query.shape[2] - max(real, 0) :].detach().float()
         if self.fit_queries is not None:
             rows = torch.cat([self.fit_queries, rows], dim=2)
         self.fit_queries = rows[:, :, -FIT_QUERIES:] if rows.shape[2] else None
+
+    def _fits_on_queries(self) -> bool:
+        """Whether a prompt codec of this method uses queries in its fit (only then are they kept)."""
+        return self.method.prefill_key is not None and any(self._codec("prefill", side).fits_on_queries for side in ("key", "value"))
 
     def flush(self) -> None:
         """Compress what overflows the window (called after attention read it): the prompt, then whole blocks."""
