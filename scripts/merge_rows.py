@@ -36,7 +36,9 @@ def merge(base: dict, update: dict, source: str, needle_may_differ: bool = False
     new = {r["method"]: {**r, "merged_from": source} | ({"needle_protocol": grid} if grid else {}) for r in update["rows"] if not r.get("baseline")}
     rows = [new.pop(r["method"], r) for r in base["rows"]] + list(new.values())
     methods = base["config"]["methods"] + [m for m in update["config"]["methods"] if m not in base["config"]["methods"]]
-    return {"config": {**base["config"], "methods": methods}, "rows": rows}
+    stamps = {**base.get("merged_env", {}), **({source: update["env"]} if update.get("env") else {})}  # each rerun's env stamp
+    return {"config": {**base["config"], "methods": methods}, **({"env": base["env"]} if "env" in base else {}),
+            **({"merged_env": stamps} if stamps else {}), "rows": rows}
 
 
 def main() -> None:

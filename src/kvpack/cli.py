@@ -271,17 +271,21 @@ def _run(args, methods: list[str]) -> tuple[object, list[dict]]:
     model, tokenizer = _load(cfg)
     print(f"loaded {cfg.model} in {time.perf_counter() - start:.1f} s; {cfg.context}-token context, {cfg.text} text, {cfg.dtype}", flush=True)
     # Rows are saved after every method, so an interrupted comparison keeps what it measured.
-    save = (lambda rows: _write_json(args.json, cfg, rows, quiet=True)) if args.json else None
+    save = (lambda rows: _write_json(args, cfg, rows, quiet=True)) if args.json else None
     return cfg, run(model, tokenizer, cfg, progress=not args.quiet, log=lambda s: print(s, flush=True), on_row=save)
 
 
-def _write_json(path: str | None, cfg, rows: list[dict], quiet: bool = False) -> None:
+def _write_json(args: argparse.Namespace, cfg, rows: list[dict], quiet: bool = False) -> None:
+    """`{config, env, rows}` to `args.json` (if given); `env` names the command line as the user typed it."""
+    path = args.json
     if not path:
         return
+    from .bench.env import environment
     from .eval.runner import config_dict
 
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps({"config": config_dict(cfg), "rows": rows}, indent=1))
+    # The stamp (git SHA, versions, CPU, threads, command line) is what makes a result reproducible.
+    Path(path).write_text(json.dumps({"config": config_dict(cfg), "env": environment("kvpack", args.argv), "rows": rows}, indent=1))
     if not quiet:
         print(f"wrote {path}")
 
@@ -313,7 +317,7 @@ def cmd_demo(args) -> int:
     print(f"  decode:     {row['decode_tok_s']:.1f} tok/s vs {base['decode_tok_s']:.1f} tok/s uncompressed ({row['decode_ratio']:.2f}x)")
     print(f"  attention:  worst layer cosine {row['cosine_min']:.4f} vs uncompressed")
     print(f"total {time.perf_counter() - start:.0f} s")
-    _write_json(args.json, cfg, rows)
+    _write_json(args, cfg, rows)
     return 0
 
 
@@ -323,7 +327,7 @@ def cmd_eval(args) -> int:
     cfg, rows = _run(args, [_default_method(args.method)])
     print()
     print(format_table(rows))
-    _write_json(args.json, cfg, rows)
+    _write_json(args, cfg, rows)
     return 0 if all(r.get("status") == "ok" for r in rows) else 1
 
 
@@ -333,7 +337,7 @@ def cmd_compare(args) -> int:
     cfg, rows = _run(args, _list(args.methods))
     print()
     print(format_table(rows))
-    _write_json(args.json, cfg, rows)
+    _write_json(args, cfg, rows)
     if args.plot:
         plot(rows, args.plot)
         print(f"wrote {args.plot}")
@@ -368,6 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run one command; 0 on success, 1 when a method failed, 2 on a bad argument or a missing package."""
     try:
         args = parse_args(argv)
+        args.argv = list(sys.argv[1:] if argv is None else argv)  # for the result JSON's env stamp
     except SystemExit as stop:  # argparse: --help (0) or a one-line error (2)
         return stop.code if isinstance(stop.code, int) else 2
     try:

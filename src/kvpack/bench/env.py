@@ -39,8 +39,9 @@ def _version(package: str) -> str | None:
         return None
 
 
-def environment(prog: str | None = None) -> dict:
-    """git SHA, versions, CPU model, thread count and the command line (`prog` replaces argv[0], e.g. "python -m kvpack.bench.decode")."""
+def environment(prog: str | None = None, argv: list[str] | None = None) -> dict:
+    """git SHA, versions, CPU model, thread count and the command line (`prog` replaces argv[0], e.g.
+    "python -m kvpack.bench.decode"; `argv` replaces sys.argv[1:] when the caller parsed its own)."""
     return {
         "git_sha": _git_sha(),
         "kvpack": _version("kvpack"),
@@ -51,5 +52,5 @@ def environment(prog: str | None = None) -> dict:
         "cpu_count": os.cpu_count(),
         "threads": torch.get_num_threads(),
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-        "command": " ".join([prog or (Path(sys.argv[0]).name if sys.argv else "python"), *sys.argv[1:]]),
+        "command": " ".join([prog or (Path(sys.argv[0]).name if sys.argv else "python"), *(sys.argv[1:] if argv is None else argv)]),
     }
