@@ -1,0 +1,32 @@
+"""Candidates for the default method that are not registered methods, run through `kvpack compare`.
+
+    python scripts/default_candidates.py --model smollm2-135m --context 2048 --no-needle \
+        --methods dynamic,turboquant:k3v2,turboquant:k4v2,turboquant:k4v1,candidate:k3vq,candidate:k4vq \
+        --json bench/results/default-candidates-smollm2-135m-2k.json
+
+`candidate:kXvq` is the default's key codec at X bits (centered, channel-scaled TurboQuant) with Shard's
+value codec (Hadamard + k-means VQ on groups of 4 channels, 8-bit indices, per-token RMS: 2.25 bits per
+value, as TurboQuant's 2-bit values). One codec pair serves the prompt and the stream; VQ fits on its
+first block. The measurements and the decision are in docs/decisions.md.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+
+from kvpack.cli import main
+from kvpack.registry import CodecSpec, MethodConfig, method
+
+
+@method("candidate")
+def _candidate(arg: str) -> MethodConfig:
+    match = re.fullmatch(r"k([2-4])vq", arg)
+    if not match:
+        raise ValueError(f"candidate takes kXvq with X in 2..4 (e.g. candidate:k4vq), got {arg!r}")
+    key = CodecSpec("turboquant", {"bits": int(match[1]), "center": True, "channel_scale": 0.5})
+    return MethodConfig(f"candidate:{arg}", key, CodecSpec("vq", {"token_norm": True}))
+
+
+if __name__ == "__main__":
+    sys.exit(main(["compare", *sys.argv[1:]]))
