@@ -36,9 +36,10 @@ def merge(base: dict, update: dict, source: str, needle_may_differ: bool = False
     new = {r["method"]: {**r, "merged_from": source} | ({"needle_protocol": grid} if grid else {}) for r in update["rows"] if not r.get("baseline")}
     rows = [new.pop(r["method"], r) for r in base["rows"]] + list(new.values())
     methods = base["config"]["methods"] + [m for m in update["config"]["methods"] if m not in base["config"]["methods"]]
-    stamps = {**base.get("merged_env", {}), **({source: update["env"]} if update.get("env") else {})}  # each rerun's env stamp
-    return {"config": {**base["config"], "methods": methods}, **({"env": base["env"]} if "env" in base else {}),
-            **({"merged_env": stamps} if stamps else {}), "rows": rows}
+    # each run's environment stamp: the base's, and every rerun's by file name
+    stamps = {**base.get("merged_environment", {}), **({source: update["environment"]} if update.get("environment") else {})}
+    return {"config": {**base["config"], "methods": methods}, **({"environment": base["environment"]} if "environment" in base else {}),
+            **({"merged_environment": stamps} if stamps else {}), "rows": rows}
 
 
 def main() -> None:

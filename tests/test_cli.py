@@ -18,7 +18,7 @@ def test_eval_writes_table_and_json(tmp_path, capsys):
     assert "kivi:4" in table and "dynamic" in table and "bytes/token" in table
     data = json.loads(out.read_text())
     assert data["config"]["context"] == 192 and data["config"]["methods"] == ["kivi:4"]
-    env = data["env"]  # the reproducibility stamp every result JSON carries
+    env = data["environment"]  # the reproducibility stamp every result JSON carries
     assert env["command"].startswith("kvpack eval") and env["threads"] >= 1 and env["torch"] == __import__("torch").__version__
     base, row = data["rows"]
     assert base["method"] == "dynamic" and base["baseline"] and base["ppl_delta_pct"] == 0.0
@@ -129,8 +129,8 @@ def test_merge_rows_replaces_a_rerun_method_and_marks_it():
     assert merged["rows"][1]["merged_from"] == "u.json" and "merged_from" not in merged["rows"][2]
     assert "| shard * |" in markdown_table(merged["rows"])
     # Each run's environment stamp survives the merge: the base's as `env`, the rerun's by file name.
-    stamped = merge_rows.merge({**base, "env": {"git_sha": "a"}}, {**update, "env": {"git_sha": "b"}}, "u.json")
-    assert stamped["env"] == {"git_sha": "a"} and stamped["merged_env"] == {"u.json": {"git_sha": "b"}}
+    stamped = merge_rows.merge({**base, "environment": {"git_sha": "a"}}, {**update, "environment": {"git_sha": "b"}}, "u.json")
+    assert stamped["environment"] == {"git_sha": "a"} and stamped["merged_environment"] == {"u.json": {"git_sha": "b"}}
     with pytest.raises(SystemExit, match="context"):
         merge_rows.merge(base, {**update, "config": {**update["config"], "context": 2048}}, "u.json")
     # A rerun with the newer needle grid merges only when asked, and its rows carry their own grid.

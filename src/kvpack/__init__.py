@@ -3,11 +3,12 @@
 from . import metrics
 from .attention import disable, enable
 from .cache import KVCache
+from .cache.budget import MemoryBudget
 from .cache.tracker import AdaptiveThresholds, QualityTracker
 from .registry import DEFAULT_METHOD, CodecSpec, MethodConfig, Tier, get_method, list_methods
 
 __all__ = [
-    "DEFAULT_METHOD", "AdaptiveThresholds", "CodecSpec", "KVCache", "MethodConfig", "QualityTracker", "Tier", "disable", "enable",
+    "DEFAULT_METHOD", "AdaptiveThresholds", "CodecSpec", "KVCache", "MemoryBudget", "MethodConfig", "QualityTracker", "Tier", "disable", "enable",
     "get_method", "list_methods", "load_model", "metrics",
 ]
 __version__ = "0.1.0"

@@ -88,7 +88,7 @@ def segmented_attention(layer: KVPackLayer, query: torch.Tensor, mask: torch.Ten
     lq = query.shape[2]
     if mask is not None and mask.shape[-1] != layer.length:
         raise ValueError(f"attention mask covers {mask.shape[-1]} keys but layer {layer.layer_idx} holds {layer.length}")
-    if not layer.segments and softcap is None:
+    if not layer.segments and not layer.evicted and softcap is None:  # sinks and window are contiguous tokens
         return _exact_sdpa(layer, query, mask, scaling)
     outs = []
     for q0 in range(0, lq, QUERY_CHUNK):

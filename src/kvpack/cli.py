@@ -285,7 +285,7 @@ def _write_json(args: argparse.Namespace, cfg, rows: list[dict], quiet: bool = F
 
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     # The stamp (git SHA, versions, CPU, threads, command line) is what makes a result reproducible.
-    Path(path).write_text(json.dumps({"config": config_dict(cfg), "env": environment("kvpack", args.argv), "rows": rows}, indent=1))
+    Path(path).write_text(json.dumps({"config": config_dict(cfg), "environment": environment("kvpack", args.argv), "rows": rows}, indent=1))
     if not quiet:
         print(f"wrote {path}")
 

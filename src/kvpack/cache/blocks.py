@@ -13,6 +13,7 @@ memory really held, and `nbytes` counts it.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import torch
@@ -75,15 +76,19 @@ class BlockRun:
         self.length = length
         self.blocks = [b for b in self.blocks if b < length] or [0]
 
-    def drop_front(self, n: int) -> None:
-        """Remove the first `n` tokens (demotion to an older tier). The rest is copied into its own buffers, so
-        the dropped bytes are freed and `nbytes` stays what is held; a tier's run is bounded, so is the copy."""
+    def tail(self, n: int) -> BlockRun:
+        """A new run of all but the first `n` tokens (demotion to an older tier, eviction), in buffers of its own
+        sized to the live tokens, so the dropped bytes are freed once the caller drops this run. This run is
+        left as it was: a snapshot that holds it (a forward's rollback journal) stays valid."""
         if not 0 <= n <= self.length:
             raise ValueError(f"cannot drop {n} tokens from a run of {self.length}")
-        self._bufs = {name: buf[:, :, n:].clone() for name, buf in self._bufs.items()}
-        self.length -= n
-        self.blocks = [b - n for b in self.blocks if b >= n] or [0]
-        self._template = self.view()
+        run = copy.copy(self)
+        run.__dict__.pop("_view", None)
+        run._bufs = {name: buf[:, :, n : self.length].clone() for name, buf in self._bufs.items()}
+        run.length = self.length - n
+        run.blocks = [b - n for b in self.blocks if b >= n] or [0]
+        run._template = run.view()
+        return run
 
     def map(self, fn) -> None:
         """Apply `fn` to the live tokens of every field (batch reorder/select); slack is dropped."""

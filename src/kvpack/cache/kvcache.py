@@ -9,6 +9,7 @@ from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
 
 from .. import kernels
 from ..registry import DEFAULT_METHOD, CodecSpec, MethodConfig, get_method
+from .budget import BudgetEvent, LayerShare, MemoryBudget, rematerialize
 from .layer import DEBUG, KVPackLayer, deepcopy_sharing
 from .tracker import QualityTracker
 
@@ -59,6 +60,7 @@ def _watch_attention_mask(model) -> None:
         if isinstance(cache, KVCache):
             cache.begin_forward()  # before the model reads get_seq_length() for its positions
             cache.observe_attention_mask(kwargs.get("attention_mask"))
+            cache.observe_input_ids(kwargs.get("input_ids", args[0] if args else None))
         return None
 
     model.register_forward_pre_hook(hook, with_kwargs=True)
@@ -131,11 +133,18 @@ class KVCache(Cache):
     `DynamicCache(config=...)` reads them (`layer_kinds`): sliding-window layers (Gemma3's local
     layers, every layer of a Mistral-style config with `sliding_window` and no `layer_types`) keep
     transformers' own bounded window; every full-attention layer is compressed. tracker: a
-    `QualityTracker` to measure codec fidelity on flushed blocks (see `track`).
+    `QualityTracker` to measure codec fidelity on flushed blocks (see `track`). budget: a `MemoryBudget`
+    (bytes held after any forward; needs `kvpack.enable(model)`): past it the cache compresses further, then
+    evicts its oldest blocks, whose K/V `rematerialize(model)` recomputes (kvpack/cache/budget.py).
     """
 
     def __init__(
-        self, model_or_config, method: str | MethodConfig = DEFAULT_METHOD, allow_untested: bool = False, tracker: QualityTracker | None = None
+        self,
+        model_or_config,
+        method: str | MethodConfig = DEFAULT_METHOD,
+        allow_untested: bool = False,
+        tracker: QualityTracker | None = None,
+        budget: MemoryBudget | None = None,
     ):
         config, text = _text_config(model_or_config)
         model_type = getattr(text, "model_type", "?")
@@ -177,6 +186,11 @@ class KVCache(Cache):
         self.tracker: QualityTracker | None = None
         if tracker is not None:
             self.track(tracker)
+        self.budget: MemoryBudget | None = None
+        self.budget_events: list[BudgetEvent] = []  # every demotion, eviction and rematerialization, in order
+        self.token_ids: torch.Tensor | None = None  # (batch, tokens) ids seen by forwards, kept while a budget is set
+        if budget is not None:
+            self.set_budget(budget)
         if model is not None:
             _watch_attention_mask(model)
             if any(isinstance(layer, KVPackLayer) for layer in layers) and _on_cpu(model):
@@ -191,6 +205,42 @@ class KVCache(Cache):
                 if tracker is not None:
                     layer.tracker = tracker
         return tracker
+
+    def compressed_layers(self) -> list[KVPackLayer]:
+        return [layer for layer in self.layers if isinstance(layer, KVPackLayer)]
+
+    def set_budget(self, budget: MemoryBudget | None) -> None:
+        """Keep the compressed layers within `budget` from the next forward on (None: no limit).
+
+        A smaller budget than what the cache holds takes effect at the next flush; tokens already evicted stay
+        evicted until `rematerialize`."""
+        if budget is not None and not isinstance(budget, MemoryBudget):
+            raise TypeError(f"budget must be a kvpack.MemoryBudget or None, got {type(budget).__name__}")
+        self.budget = budget
+        layers = self.compressed_layers()
+        for layer in layers:
+            vars(layer).pop("budget", None)  # layers without a budget keep the class default
+            if budget is not None:
+                layer.budget = LayerShare(budget.max_bytes // len(layers), budget.compress_first, len(layers), self.budget_events)
+
+    def rematerialize(self, model) -> int:
+        """Recompute the evicted tokens' K/V with `model` and store them again (all or nothing); returns the tokens
+        restored per layer. The budget must leave room for them (else BudgetError, nothing changed)."""
+        self._forget_journal()
+        return rematerialize(self, model)
+
+    def observe_input_ids(self, input_ids: torch.Tensor | None) -> None:
+        """Record a forward's `input_ids (batch, new)` after the ids of the tokens the cache holds (budget only):
+        the ids of evicted tokens are what `rematerialize` runs the model over."""
+        if self.budget is None:
+            return
+        held = self.get_seq_length()
+        known = self.token_ids if self.token_ids is not None and self.token_ids.shape[1] >= held else None
+        if input_ids is None or input_ids.dim() != 2 or (known is None and held):
+            self.token_ids = None  # a forward with inputs_embeds: ids of some tokens are unknown from here on
+            return
+        prev = known[:, :held] if known is not None else input_ids[:, :0]
+        self.token_ids = torch.cat([prev, input_ids.to(prev.device)], dim=1) if prev.shape[0] == input_ids.shape[0] else None
 
     # -- all layers of one forward, or none --------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
@@ -245,19 +295,27 @@ class KVCache(Cache):
 
     def reset(self) -> None:
         self._forget_journal()
+        self.token_ids = None
         super().reset()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._forget_journal()
+        self._map_ids(lambda t: t.index_select(0, beam_idx.to(t.device)))
         super().reorder_cache(beam_idx)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         self._forget_journal()
+        self._map_ids(lambda t: t.repeat_interleave(repeats, dim=0))
         super().batch_repeat_interleave(repeats)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         self._forget_journal()
+        self._map_ids(lambda t: t.index_select(0, torch.as_tensor(indices, dtype=torch.long, device=t.device)))
         super().batch_select_indices(indices)
+
+    def _map_ids(self, fn) -> None:
+        if self.token_ids is not None:
+            self.token_ids = fn(self.token_ids)
 
     def __deepcopy__(self, memo: dict) -> KVCache:
         # A copy made while kvpack.enable is on must follow the model when it is disabled later.
@@ -312,10 +370,11 @@ class KVCache(Cache):
         """Bytes actually held by the cache's tensors, per segment kind, next to an fp16 DynamicCache.
 
         fp16_bytes counts what transformers' DynamicCache in fp16 would hold for the same tokens
-        (sliding layers at their bounded size).
+        (sliding layers at their bounded size); tokens evicted under a memory budget (`evicted_tokens`,
+        per layer) are not among them.
         """
         segments: dict[str, int] = {}
-        total = fp16 = 0
+        total = fp16 = evicted = 0
         for layer in self.layers:
             if isinstance(layer, KVPackLayer):
                 if not layer.is_initialized:
@@ -323,7 +382,9 @@ class KVCache(Cache):
                 for name, nbytes in layer.memory().items():
                     segments[name] = segments.get(name, 0) + nbytes
                     total += nbytes
-                fp16 += layer.batch * layer.kv_heads * layer.length * (layer.head_dim + layer.v_head_dim) * 2
+                # tokens held: evicted ones hold no bytes, so they would inflate the ratio
+                fp16 += layer.batch * layer.kv_heads * (layer.length - layer.evicted_tokens) * (layer.head_dim + layer.v_head_dim) * 2
+                evicted = max(evicted, layer.evicted_tokens)
             elif getattr(layer, "is_initialized", False):
                 held = layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
                 segments["sliding_window"] = segments.get("sliding_window", 0) + held
@@ -337,6 +398,7 @@ class KVCache(Cache):
             "fp16_bytes": fp16,
             "ratio": fp16 / total if total else float("nan"),
             "bytes_per_token": total / tokens if tokens else float("nan"),
+            "evicted_tokens": evicted,
             "segments": segments,
         }
 

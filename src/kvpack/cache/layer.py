@@ -18,6 +18,7 @@ from transformers.cache_utils import CacheLayerMixin
 from ..codecs.base import Codec, Packed, slice_packed
 from ..primitives.validation import DEBUG, checks_values, count_non_finite
 from ..registry import EXACT_DTYPES, CodecSpec, MethodConfig
+from . import budget
 from .blocks import BlockRun
 
 # The layer whose update kvpack attention must read next, per thread: if the model's attention finds
@@ -94,11 +95,12 @@ class Segment:
         self.key_run.truncate(length)
         self.value_run.truncate(length)
 
-    def drop_front(self, n: int) -> None:
-        """Hand the first `n` tokens to an older tier: the segment then starts `n` tokens later."""
-        self.key_run.drop_front(n)
-        self.value_run.drop_front(n)
-        self.start += n
+    def tail(self, n: int) -> Segment:
+        """A new segment of all but the first `n` tokens (they went to an older tier, or were evicted); this one is unchanged."""
+        seg = copy.copy(self)
+        seg.key_run, seg.value_run = self.key_run.tail(n), self.value_run.tail(n)
+        seg.start = self.start + n
+        return seg
 
     def map(self, fn) -> None:
         self.key_run.map(fn)
@@ -114,6 +116,7 @@ class KVPackLayer(CacheLayerMixin):
     is_sliding = False
     is_croppable = True
     tracker = None  # a kvpack.cache.tracker.QualityTracker, set by KVCache.track; told of every flushed block
+    budget = None  # a kvpack.cache.budget.LayerShare, set by KVCache.set_budget: bytes this layer may hold after a forward
 
     def __init__(self, method: MethodConfig, layer_idx: int, model_config=None, rope: tuple[torch.Tensor, float] | None = None):
         super().__init__()
@@ -139,6 +142,8 @@ class KVPackLayer(CacheLayerMixin):
         # The last prompt queries kvpack attention saw, kept until the prompt's codecs are fitted
         # (codecs with `fits_on_queries`, e.g. Shard's PCA choosing its rank by score error).
         self.fit_queries: torch.Tensor | None = None
+        # (start, tokens, segment kind) of compressed tokens evicted to keep a memory budget (kvpack.cache.budget)
+        self.evicted: tuple[tuple[int, int, str], ...] = ()
         self.is_initialized = False
 
     @property
@@ -225,6 +230,8 @@ class KVPackLayer(CacheLayerMixin):
         Everything is checked before anything is stored: a rejected update leaves the layer as it was.
         """
         check_new_states(key_states, value_states, self.layer_idx)
+        if self.budget is not None:
+            self._check_budget(key_states, value_states)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self._check_new(key_states, value_states)
@@ -319,6 +326,7 @@ class KVPackLayer(CacheLayerMixin):
                 self._cut_last_segment(keep - self.segments[-1].start)
             n_sink = min(keep, self.sink_k.shape[2])
             self.sink_k, self.sink_v = self.sink_k[:, :, :n_sink], self.sink_v[:, :, :n_sink]
+            self.evicted = tuple((s, min(n, keep - s), kind) for s, n, kind in self.evicted if s < keep)
         self.length = keep
 
     def _cut_last_segment(self, cut: int) -> None:
@@ -355,8 +363,14 @@ class KVPackLayer(CacheLayerMixin):
         return self.method.prefill_key is not None and any(self._codec("prefill", side).fits_on_queries for side in ("key", "value"))
 
     def flush(self) -> None:
-        """Compress what overflows the window (called after attention read it): the prompt, then whole blocks."""
+        """Compress what overflows the window (called after attention read it), then keep the memory budget."""
         self.pending_attention = False
+        self._flush_blocks()
+        if self.budget is not None:  # every forward, flush or not: the window grows between flushes
+            budget.enforce(self)
+
+    def _flush_blocks(self) -> None:
+        """The prompt, then whole blocks, from the window into compressed segments."""
         overflow = self.win_k.shape[2] - self.method.window
         first = self.updates == 1 and not self.segments
         prefill = first and self.method.prefill_key is not None
@@ -383,15 +397,15 @@ class KVPackLayer(CacheLayerMixin):
         for level in range(len(self.method.tiers), 0, -1) if not prefill else ():
             m = self._tier_count(level, start + done, n - done)
             if m:
-                self._store(f"tier{level}", k[:, :, done : done + m], v[:, :, done : done + m], start + done)
+                self.store(f"tier{level}", k[:, :, done : done + m], v[:, :, done : done + m], start + done)
                 done += m
-        self._store(kind, k[:, :, done:], v[:, :, done:], start + done)
+        self.store(kind, k[:, :, done:], v[:, :, done:], start + done)
         self.win_k, self.win_v = self.win_k[:, :, n:].contiguous(), self.win_v[:, :, n:].contiguous()
         if self.tracker is not None:  # the only moment the block's originals sit next to its encoding
             self.tracker.on_flush(self, k, v, start)
         self._demote()
 
-    def _store(self, kind: str, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
+    def store(self, kind: str, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
         """Encode tokens [start, start + n) with `kind`'s codecs, appending to the segment that ends at `start`."""
         n = k.shape[2]
         if not n:
@@ -428,14 +442,40 @@ class KVPackLayer(CacheLayerMixin):
             m = min(self._tier_count(level, src.start, src.length), src.length // src.token_multiple * src.token_multiple)
             if not m:
                 continue
-            pos = self.positions(src.start, m)
-            k = src.key_codec.decode(slice_packed(src.keys, 0, m), pos)
-            v = src.value_codec.decode(slice_packed(src.values, 0, m), pos)
-            start = src.start
-            src.drop_front(m)
-            if not src.length:
-                self.segments.remove(src)
-            self._store(f"tier{level}", k, v, start)
+            k, v = self.decode_front(src, m)
+            self.replace_front(src, m)
+            self.store(f"tier{level}", k, v, src.start)
+
+    def decode_front(self, seg: Segment, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V `(batch, kv_heads, n, d)` float of `seg`'s first `n` tokens."""
+        pos = self.positions(seg.start, n)
+        return seg.key_codec.decode(slice_packed(seg.keys, 0, n), pos), seg.value_codec.decode(slice_packed(seg.values, 0, n), pos)
+
+    def note_evicted(self, start: int, n: int, kind: str) -> None:
+        """Record tokens [start, start + n) of segment kind `kind` as evicted (merged with a contiguous chunk of that kind)."""
+        chunks = list(self.evicted)
+        if chunks and chunks[-1][0] + chunks[-1][1] == start and chunks[-1][2] == kind:
+            chunks[-1] = (chunks[-1][0], chunks[-1][1] + n, kind)
+        else:
+            chunks.append((start, n, kind))
+        self.evicted = tuple(chunks)  # a new tuple: a rollback snapshot keeps the old one
+
+    @property
+    def evicted_tokens(self) -> int:
+        return sum(n for _, n, _ in self.evicted)
+
+    def nbytes(self) -> int:
+        """Every byte the layer holds (`memory()` summed)."""
+        return sum(self.memory().values())
+
+    def replace_front(self, seg: Segment, n: int) -> None:
+        """Drop `seg`'s first `n` tokens by swapping in a shorter copy (or removing it), never by mutating it:
+        the rollback snapshot of the running forward may hold `seg`."""
+        i = self.segments.index(seg)
+        if n < seg.length:
+            self.segments[i] = seg.tail(n)
+        else:
+            del self.segments[i]
 
     def _codec(self, kind: str, side: str) -> Codec:
         name = f"{kind}_{side}"
@@ -510,6 +550,15 @@ class KVPackLayer(CacheLayerMixin):
                 f"layer {self.layer_idx} was initialized for batch {self.batch}, {self.kv_heads} kv heads, head_dim {self.head_dim}; "
                 f"got {tuple(k.shape)}. Use a fresh cache (or cache.reset()) for a new batch."
             )
+
+    def _check_budget(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        if not self._attention_enabled():
+            raise ValueError(
+                f"layer {self.layer_idx}: a cache with a memory budget evicts old tokens, and only kvpack's attention reads a "
+                "cache with a gap; call kvpack.enable(model) before using it (or build the cache without budget=)"
+            )
+        if not self.is_initialized:
+            budget.check_share(self, k, v)
 
     def _check_fits_fp16(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Sinks and window are stored in fp16 by default: refuse values fp16 would turn into Inf."""

@@ -60,10 +60,11 @@ _PACKED_CLASS = re.compile(r"(kvpack(?:\.\w+)+):(\w+(?:\.\w+)*)")
 # KVPackLayer attributes a file restores (saved or rebuilt from the method and model); tests compare this
 # with a filled layer's attributes, so a new attribute fails there until serialization handles it.
 # `fit_queries` (prompt queries awaiting the first fit) is not saved: a loaded layer collects them again.
+# A memory `budget` is not saved (pass one to the loaded cache); a cache with `evicted` tokens is refused.
 LAYER_ATTRIBUTES = frozenset({
     "method", "layer_idx", "model_config", "rope", "length", "updates", "sink_k", "sink_v", "win_k", "win_v", "segments",
     "pos_offset", "pad", "pad_max", "_codecs", "pending_attention", "is_initialized", "dtype", "device", "batch", "kv_heads",
-    "head_dim", "v_head_dim", "exact_dtype", "keys", "values", "fit_queries",
+    "head_dim", "v_head_dim", "exact_dtype", "keys", "values", "fit_queries", "evicted", "budget",
 })
 
 
@@ -85,6 +86,12 @@ def save_cache(cache: KVCache, path: str | os.PathLike, *, token_ids: torch.Tens
     start = time.perf_counter()
     if not isinstance(cache, KVCache):
         raise TypeError(f"save_cache saves a kvpack.KVCache, got {type(cache).__name__}")
+    evicted = max((layer.evicted_tokens for layer in cache.compressed_layers()), default=0)
+    if evicted:
+        raise ValueError(
+            f"this cache evicted {evicted} tokens to stay within its memory budget, and a saved cache holds every token: "
+            "call cache.rematerialize(model) first (with room for them: cache.set_budget(None) lifts the limit)"
+        )
     zstd = _zstd("save_cache(..., compress=True)") if compress else None
     tokens = cache.get_seq_length()
     tensors, layout = collect(cache)

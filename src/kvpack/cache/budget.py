@@ -1,0 +1,202 @@
+"""A byte budget for a kvpack cache (ADR-004): compress further, then evict the oldest blocks; rematerialize on demand.
+
+`KVCache(model, method, budget=MemoryBudget(max_bytes))` splits the budget evenly over the cache's compressed
+layers (they hold one method on tokens of one shape). After every forward each of those layers holds at most
+its share, counted as `KVPackLayer.memory()` counts: every tensor it holds, capacity slack and codec state
+included. A layer over its share, in this order:
+
+1. **compresses further** (`compress_first`, methods with tiers): moves its oldest warm block into its oldest
+   tier now instead of when the block ages past the boundary;
+2. **evicts** its oldest compressed tokens, right after the sinks, in whole blocks. Evicted tokens leave
+   attention (sinks and everything newer stay, as in StreamingLLM) but keep their positions, and their
+   token ids stay with the cache.
+
+`KVCache.rematerialize(model)` recomputes the evicted K/V by running the model over the recorded token ids
+up to the last evicted token (an exact prefill: the context before an evicted block is the exact tokens
+before it) and stores them again with the codecs that held them. Every move is a `BudgetEvent`, kept in
+`KVCache.budget_events` and logged to the `kvpack.budget` logger. Only the fixed exact part (sinks, the
+window and one block in flight) bounds how small a budget can be; the first update checks it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from ..registry import EXACT_DTYPES
+
+LOG = logging.getLogger("kvpack.budget")
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    """max_bytes: bytes the cache's compressed layers may hold after any forward (all layers together).
+    compress_first: before evicting, move warm blocks into the method's oldest tier (when it has tiers)."""
+
+    max_bytes: int
+    compress_first: bool = True
+
+    def __post_init__(self):
+        if isinstance(self.max_bytes, bool) or not isinstance(self.max_bytes, int) or self.max_bytes < 1:
+            raise ValueError(f"MemoryBudget.max_bytes must be a positive int (bytes), got {self.max_bytes!r}")
+        if not isinstance(self.compress_first, bool):
+            raise ValueError(f"MemoryBudget.compress_first must be True or False, got {self.compress_first!r}")
+
+
+@dataclass(frozen=True)
+class BudgetEvent:
+    """One decision: `action` ("demote" | "evict" | "rematerialize") moved tokens [start, start + tokens) of `layer`."""
+
+    layer: int
+    action: str
+    start: int
+    tokens: int
+    bytes_after: int  # what the layer holds after the move
+    limit: int  # the layer's share of the budget
+
+
+class BudgetError(ValueError):
+    """The budget cannot be kept: the message names the bytes needed and the fix."""
+
+
+@dataclass
+class LayerShare:
+    """One layer's part of a cache's budget; `log` is the cache's event list, shared by its layers."""
+
+    limit: int
+    compress_first: bool
+    layers: int  # compressed layers sharing the budget
+    log: list[BudgetEvent] = field(default_factory=list)
+
+    def record(self, event: BudgetEvent) -> None:
+        self.log.append(event)
+        LOG.info("layer %d: %s %d tokens from %d; now %d of %d bytes", event.layer, event.action, event.tokens, event.start,
+                 event.bytes_after, event.limit)
+
+
+def exact_bytes_at_most(layer, key_states: torch.Tensor, value_states: torch.Tensor) -> int:
+    """Bytes of the exact part a layer may hold after a forward: sinks, window and a block not yet flushed."""
+    method = layer.method
+    per_token = key_states.shape[0] * key_states.shape[1] * (key_states.shape[3] + value_states.shape[3])
+    elem = torch.empty((), dtype=EXACT_DTYPES[method.exact_dtype] or key_states.dtype).element_size()
+    return (method.sink_tokens + method.window + method.block_size) * per_token * elem
+
+
+def check_share(layer, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+    """Refuse, before anything is stored, a share smaller than the layer's fixed exact part."""
+    need = exact_bytes_at_most(layer, key_states, value_states)
+    if layer.budget.limit <= need:
+        raise BudgetError(
+            f"layer {layer.layer_idx}: the memory budget gives each compressed layer {layer.budget.limit:,} bytes, but its "
+            f"sinks, window and one block in flight alone take up to {need:,} (batch {key_states.shape[0]}, "
+            f"{key_states.shape[1]} kv heads); raise MemoryBudget.max_bytes above {need * layer.budget.layers:,}, "
+            "with room for compressed tokens and codec state"
+        )
+
+
+def enforce(layer) -> None:
+    """Bring `layer` within its share after a flush: demote warm blocks (if allowed), then evict the oldest."""
+    share = layer.budget
+    held = layer.nbytes()
+    while held > share.limit:
+        event = (share.compress_first and _demote_oldest_block(layer, share)) or _evict_oldest(layer, held - share.limit, share)
+        if event is None:
+            raise BudgetError(
+                f"layer {layer.layer_idx} holds {held:,} bytes with nothing left to evict (its share is {share.limit:,}): "
+                "raise MemoryBudget.max_bytes"
+            )
+        share.record(event)
+        held = event.bytes_after
+
+
+def _demote_oldest_block(layer, share: LayerShare) -> BudgetEvent | None:
+    """Move the warm segment's first block into the method's oldest tier (decode + re-encode), or None."""
+    tiers = len(layer.method.tiers)
+    src = next((seg for seg in layer.segments if seg.kind == "stream"), None)
+    if not tiers or src is None:
+        return None
+    m = min(math.lcm(layer.method.block_size, src.token_multiple), src.length // src.token_multiple * src.token_multiple)
+    if not m:
+        return None
+    k, v = layer.decode_front(src, m)
+    layer.replace_front(src, m)
+    layer.store(f"tier{tiers}", k, v, src.start)
+    return BudgetEvent(layer.layer_idx, "demote", src.start, m, layer.nbytes(), share.limit)
+
+
+def _evict_oldest(layer, over: int, share: LayerShare) -> BudgetEvent | None:
+    """Drop enough whole blocks from the oldest segment to free `over` bytes (at most the whole segment), or None."""
+    if not layer.segments:
+        return None
+    seg = layer.segments[0]
+    step = math.lcm(layer.method.block_size, seg.token_multiple)
+    per_token = max(seg.nbytes() / max(seg.length, 1), 1e-9)
+    n = min(math.ceil(over / per_token / step) * step, seg.length)
+    layer.replace_front(seg, n)
+    layer.note_evicted(seg.start, n, seg.kind)
+    return BudgetEvent(layer.layer_idx, "evict", seg.start, n, layer.nbytes(), share.limit)
+
+
+@torch.no_grad()
+def rematerialize(cache, model) -> int:
+    """Recompute every evicted token's K/V and store it again; returns the tokens restored (per layer, at most).
+
+    All or nothing: if the restored tokens would not fit the budget, every layer is left as it was and
+    BudgetError names the bytes needed.
+    """
+    layers = [layer for layer in cache.compressed_layers() if layer.evicted]
+    if not layers:
+        return 0
+    end = max(start + n for layer in layers for start, n, _ in layer.evicted)
+    ids = cache.token_ids
+    if ids is None or ids.shape[1] < end:
+        raise ValueError(
+            "the ids of the evicted tokens were not recorded (the cache records input_ids from each forward through the "
+            "model it was built with; a forward with inputs_embeds, or a cache built from a config, leaves them unknown): "
+            "these tokens cannot be recomputed"
+        )
+    recomputed = _prefill(model, ids[:, :end], layers[0])
+    snapshots = [(layer, layer.snapshot()) for layer in layers]
+    restored = 0
+    for layer in layers:
+        restored = max(restored, _restore_layer(layer, recomputed.layers[layer.layer_idx]))
+    over = [(layer, layer.nbytes()) for layer in layers if layer.budget is not None and layer.nbytes() > layer.budget.limit]
+    if over:
+        for layer, state in snapshots:
+            layer.restore(state)
+        layer, held = over[0]
+        raise BudgetError(
+            f"rematerializing would make layer {layer.layer_idx} hold {held:,} bytes, over its share of {layer.budget.limit:,}: "
+            f"raise the budget first (cache.set_budget(MemoryBudget({held * len(cache.compressed_layers()):,})) or None)"
+        )
+    return restored
+
+
+def _prefill(model, ids: torch.Tensor, layer):
+    """An exact prefill of `ids (batch, n)` into a fresh DynamicCache, with the cache's padding and positions."""
+    from transformers import DynamicCache
+
+    kwargs = {}
+    if layer.pad is not None:
+        idx = torch.arange(ids.shape[1], device=ids.device)
+        kwargs["attention_mask"] = (idx[None, :] >= layer.pad.to(ids.device)[:, None]).long()
+        kwargs["position_ids"] = (idx[None, :] + layer.pos_offset.to(ids.device)[:, None]).clamp_min(0)
+    dyn = DynamicCache(config=model.config)
+    model(ids, past_key_values=dyn, use_cache=True, **kwargs)
+    return dyn
+
+
+def _restore_layer(layer, recomputed) -> int:
+    """Store the recomputed K/V of `layer`'s evicted chunks with the codecs that held them."""
+    count = 0
+    for start, n, kind in layer.evicted:
+        k, v = recomputed.keys[:, :, start : start + n], recomputed.values[:, :, start : start + n]
+        layer.store(kind, k, v, start)
+        count += n
+    layer.evicted = ()
+    if layer.budget is not None:
+        layer.budget.record(BudgetEvent(layer.layer_idx, "rematerialize", layer.sink_k.shape[2], count, layer.nbytes(), layer.budget.limit))
+    return count

@@ -1,0 +1,195 @@
+"""A memory budget (kvpack/cache/budget.py): never exceeded after a forward, every move logged, tiers compressed
+further before anything is evicted, evicted K/V rematerialized within the codec's own error, and clear refusals."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import kvpack
+from kvpack.cache.budget import BudgetError
+from kvpack.cache.serialize import save_cache
+from kvpack.models import tiny_random_model
+
+PROMPT = 400
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model, _ = tiny_random_model(seed=0)
+    kvpack.enable(model)
+    yield model
+    kvpack.disable(model)
+
+
+def _ids(n: int = PROMPT, batch: int = 1) -> torch.Tensor:
+    return torch.randint(0, 256, (batch, n), generator=torch.Generator().manual_seed(n + batch))
+
+
+def _binding(unlimited, part: float) -> kvpack.MemoryBudget:
+    """A budget that makes `part` of the compressed bytes `unlimited` ended with go (the exact part and codec state stay)."""
+    compressed = sum(seg.nbytes() for layer in unlimited.compressed_layers() for seg in layer.segments)
+    return kvpack.MemoryBudget(int(sum(_held(unlimited)) - part * compressed))
+
+
+def _held(cache) -> list[int]:
+    """Bytes each compressed layer holds, counted from its tensors (sinks, window, block runs, codec state)."""
+    return [layer.nbytes() for layer in cache.compressed_layers()]
+
+
+@torch.no_grad()
+def _generate_checking(model, cache, ids, n: int, **kwargs) -> tuple[torch.Tensor, list[list[int]]]:
+    """Greedy tokens, and the bytes of every layer after every forward (read by a hook on the model)."""
+    seen: list[list[int]] = []
+    hook = model.register_forward_hook(lambda *_: seen.append(_held(cache)))
+    try:
+        out = model.generate(ids, past_key_values=cache, max_new_tokens=n, min_new_tokens=n, do_sample=False, **kwargs)
+    finally:
+        hook.remove()
+    return out, seen
+
+
+@pytest.mark.parametrize("method", ["int8", "turboquant:k3v2", "shard"])
+def test_budget_is_never_exceeded_and_every_move_is_logged(tiny, method, caplog):
+    unlimited = kvpack.KVCache(tiny, method)
+    _generate_checking(tiny, unlimited, _ids(), 128)
+    budget = _binding(unlimited, 0.5)
+    limit = budget.max_bytes
+    cache = kvpack.KVCache(tiny, method, budget=budget)
+    with caplog.at_level(logging.INFO, logger="kvpack.budget"):
+        out, seen = _generate_checking(tiny, cache, _ids(), 128)
+    share = limit // len(cache.compressed_layers())
+    assert len(seen) == 128 and all(b <= share for step in seen for b in step)
+    evictions = [e for e in cache.budget_events if e.action == "evict"]
+    assert evictions and all(e.bytes_after <= e.limit == share for e in cache.budget_events)
+    assert len(caplog.records) == len(cache.budget_events)
+    for layer in cache.compressed_layers():  # the log accounts for every evicted token, which follow the sinks
+        assert layer.evicted_tokens == sum(e.tokens for e in evictions if e.layer == layer.layer_idx) > 0
+        assert layer.evicted[0][0] == layer.sink_k.shape[2]
+    # evicted tokens keep their positions and their ids stay with the cache
+    assert cache.get_seq_length() == out.shape[1] - 1
+    assert torch.equal(cache.token_ids[:, : cache.get_seq_length()], out[:, :-1])
+    report = cache.memory_report()
+    assert report["evicted_tokens"] == max(layer.evicted_tokens for layer in cache.compressed_layers())
+
+
+def test_tiers_are_compressed_further_before_anything_is_evicted(tiny):
+    unlimited = kvpack.KVCache(tiny, "tiered:512")
+    _generate_checking(tiny, unlimited, _ids(1200), 64)
+    budget = _binding(unlimited, 1 / 8)
+    limit = budget.max_bytes
+    cache = kvpack.KVCache(tiny, "tiered:512", budget=budget)
+    _, seen = _generate_checking(tiny, cache, _ids(1200), 64)
+    actions = [e.action for e in cache.budget_events]
+    assert "demote" in actions and all(b <= limit // 2 for step in seen for b in step)
+    assert "evict" not in actions[: actions.index("demote") + 1]
+    assert any(seg.kind == "tier1" and seg.start + seg.length > cache.get_seq_length() - 512 for seg in cache.layers[0].segments)
+
+
+@pytest.mark.parametrize("method", ["int8", "turboquant:k4v4", "kivi:4"])
+@pytest.mark.parametrize("batch", [1, 2])
+def test_rematerialized_kv_are_within_the_codec_error_of_the_originals(tiny, method, batch):
+    ids = _ids(PROMPT, batch)
+    mask = torch.ones_like(ids)
+    if batch == 2:
+        mask[1, :5] = 0  # a left-padded row: recomputation must use the cache's padding and positions
+    # positions as generate() gives them: a left-padded row's first real token is at 0 (what the cache assumes)
+    kw = {"attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1), "use_cache": True}
+    exact = DynamicCache(config=tiny.config)
+    kvpack.disable(tiny)
+    try:
+        with torch.no_grad():
+            tiny(ids, past_key_values=exact, **kw)
+    finally:
+        kvpack.enable(tiny)
+    unlimited = kvpack.KVCache(tiny, method)
+    with torch.no_grad():
+        tiny(ids, past_key_values=unlimited, **kw)
+    cache = kvpack.KVCache(tiny, method, budget=_binding(unlimited, 0.3))
+    with torch.no_grad():
+        tiny(ids, past_key_values=cache, **kw)
+    evicted = [layer.evicted for layer in cache.compressed_layers()]
+    assert all(evicted)
+    before = _held(cache)
+    with pytest.raises(BudgetError, match="raise the budget first"):
+        cache.rematerialize(tiny)  # no room: all or nothing
+    assert [layer.evicted for layer in cache.compressed_layers()] == evicted and _held(cache) == before
+    cache.set_budget(None)
+    assert cache.rematerialize(tiny) == sum(n for _, n, _ in evicted[0])
+    for i, layer in enumerate(cache.compressed_layers()):
+        assert not layer.evicted and [(s.start, s.length) for s in layer.segments] != []
+        for got, ref, orig in ((layer.keys, unlimited.layers[i].keys, exact.layers[i].keys),
+                               (layer.values, unlimited.layers[i].values, exact.layers[i].values)):
+            real = slice(None) if batch == 1 else (slice(None), slice(None), slice(5, None))
+            err_codec = (ref - orig)[real].norm()  # the codec's own error against the exact prefill
+            assert (got - orig)[real].norm() <= 1.05 * err_codec + 1e-4 * orig[real].norm()
+    assert any(e.action == "rematerialize" for e in cache.budget_events)
+
+
+def test_refusals_name_the_problem_and_leave_the_cache_empty(tiny):
+    for bad in (0, -5, True, 1.5, "1e6"):
+        with pytest.raises(ValueError, match="max_bytes must be a positive int"):
+            kvpack.MemoryBudget(bad)
+    small = kvpack.KVCache(tiny, "int8", budget=kvpack.MemoryBudget(10_000))
+    with pytest.raises(BudgetError, match="raise MemoryBudget.max_bytes above"), torch.no_grad():
+        tiny(_ids(), past_key_values=small, use_cache=True)
+    assert small.get_seq_length() == 0
+    kvpack.disable(tiny)
+    try:
+        plain = kvpack.KVCache(tiny, "int8", budget=kvpack.MemoryBudget(10**7))
+        with pytest.raises(ValueError, match="kvpack.enable"), torch.no_grad():
+            tiny(_ids(), past_key_values=plain, use_cache=True)
+        assert plain.get_seq_length() == 0
+    finally:
+        kvpack.enable(tiny)
+    with pytest.raises(TypeError, match="MemoryBudget"):
+        kvpack.KVCache(tiny, "int8", budget=10**7)
+
+
+def test_a_cache_with_evicted_tokens_is_saved_only_after_rematerializing(tiny, tmp_path):
+    unlimited = kvpack.KVCache(tiny, "int8")
+    with torch.no_grad():
+        tiny(_ids(), past_key_values=unlimited, use_cache=True)
+    cache = kvpack.KVCache(tiny, "int8", budget=_binding(unlimited, 0.3))
+    with torch.no_grad():
+        tiny(_ids(), past_key_values=cache, use_cache=True)
+    with pytest.raises(ValueError, match="rematerialize"):
+        save_cache(cache, tmp_path / "c")
+    assert not (tmp_path / "c").exists()
+    cache.set_budget(None)
+    cache.rematerialize(tiny)
+    save_cache(cache, tmp_path / "c")
+    assert kvpack.KVCache.load(tmp_path / "c", tiny).get_seq_length() == PROMPT
+
+
+def test_crop_into_the_evicted_range_then_generate(tiny):
+    unlimited = kvpack.KVCache(tiny, "int8")
+    with torch.no_grad():
+        tiny(_ids(), past_key_values=unlimited, use_cache=True)
+    cache = kvpack.KVCache(tiny, "int8", budget=_binding(unlimited, 0.3))
+    with torch.no_grad():
+        tiny(_ids(), past_key_values=cache, use_cache=True)
+    start, n, _ = cache.layers[0].evicted[0]
+    cache.crop(start + n // 2 - cache.get_seq_length())  # keep half of the evicted range only
+    assert cache.get_seq_length() == start + n // 2
+    assert all(layer.evicted == ((start, n // 2, "stream"),) and not layer.segments for layer in cache.compressed_layers())
+    out, _ = _generate_checking(tiny, cache, _ids()[:, : start + n // 2 + 1], 8)
+    assert out.shape[1] == start + n // 2 + 1 + 8
+
+
+def test_budget_bench_reports_the_peak_against_the_share(tmp_path):
+    from kvpack.bench import budget as bench
+
+    out = tmp_path / "b.json"
+    assert bench.main(["--model", "tiny-random", "--method", "int8", "--context", "400", "--ppl-tokens", "128", "--chunk", "64",
+                       "--fractions", "1.0,0.6", "--threads", "1", "--out", str(out)]) == 0
+    import json
+
+    data = json.loads(out.read_text())
+    base, row = data["rows"]
+    assert base["max_bytes"] is None and base["evicted_tokens"] == 0
+    assert row["peak_layer_bytes"] <= row["layer_share"] and row["evicted_tokens"] > 0 and row["rematerialize_s"] > 0
+    assert data["environment"]["command"].startswith("python -m kvpack.bench.budget")
