@@ -73,3 +73,20 @@ def test_tier_boundaries_are_validated():
         MethodConfig("x", kivi, kivi, tiers=(Tier(kivi, kivi, 512), Tier(kivi, kivi, 256)))
     with pytest.raises(ValueError, match="tiered:512"):
         get_method("tiered:100")
+
+
+def test_restoring_a_snapshot_undoes_a_demotion():
+    """A forward rolled back after a layer demoted a block (a later layer failed) must find the layer as it was:
+    demotion swaps in a shorter copy of the warm segment, never edits the one the snapshot holds."""
+    layer, _, _ = _run("tiered:512", 2000, 0)
+    g = torch.Generator().manual_seed(1)
+    while True:
+        layout = [(s.kind, s.start, s.length) for s in layer.segments]
+        before, state = layer.dequantized(), layer.snapshot()
+        layer.update(torch.randn(1, 2, 1, 64, generator=g), torch.randn(1, 2, 1, 64, generator=g))
+        if layer.segments[0].length > layout[0][2]:  # this update's flush demoted a block into the archive
+            break
+    layer.restore(state)
+    assert [(s.kind, s.start, s.length) for s in layer.segments] == layout
+    after = layer.dequantized()
+    assert torch.equal(after[0], before[0]) and torch.equal(after[1], before[1])
