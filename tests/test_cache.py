@@ -302,3 +302,20 @@ def test_partial_merge_is_exact_softmax():
         p.add(s[..., a:b], lambda w, a=a, b=b: w @ v[:, :, a:b])
     torch.testing.assert_close(p.result(), torch.softmax(s, -1) @ v)
     assert math.isfinite(float(p.result().sum()))
+
+
+def test_decode_bench_fills_query_fitted_methods_through_a_real_forward():
+    """bench.decode times Shard as a user gets it: its PCA rank chosen from the prompt's queries, not key energy."""
+    from kvpack.bench.decode import fill_kvpack, prefill_dynamic
+
+    model = _tiny("llama")
+    ids = torch.randint(0, 128, (300,), generator=torch.Generator().manual_seed(6))
+    kvpack.enable(model)
+    try:
+        source, _ = prefill_dynamic(model, ids)
+        for given, expect in ((ids, "queries"), (None, "energy")):
+            cache, seconds = fill_kvpack(model, "shard", source, given)
+            assert cache.get_seq_length() == 300 and seconds > 0
+            assert cache.layers[0]._codecs["prefill_key"].rank_source == expect
+    finally:
+        kvpack.disable(model)
