@@ -363,7 +363,7 @@ def run_layers(name: str, prefix: int, out: Path) -> None:
     """
     import kvpack
     from kvpack.bench.env import environment
-    from kvpack.cache.layer import FIT_QUERIES
+    from kvpack.cache.layer import FIT_QUERIES, KVPackLayer
     from kvpack.text import token_stream
 
     model, tok = _load(name)
@@ -379,6 +379,8 @@ def run_layers(name: str, prefix: int, out: Path) -> None:
     positions = torch.arange(prefix)[None]
     rows = []
     for li, (q, k, v) in sorted(qkv.items()):
+        if not isinstance(layers[li], KVPackLayer):
+            continue  # a sliding-window layer (Gemma3's local layers): transformers keeps it, kvpack does not compress it
         row = {"layer": li}
         for label, (side, spec) in sides.items():
             x = k if side == "key" else v
