@@ -22,8 +22,10 @@ from kvpack.cache.tracker import (
     QualityTracker,
     Thresholds,
     ThresholdsFileError,
+    adapt,
     apply_boundary,
     load_or_default,
+    part_masses,
     load_thresholds,
     save_thresholds,
 )
@@ -289,3 +291,60 @@ def test_apply_boundary_moves_only_blocks_not_yet_demoted():
         apply_boundary(cache, 300)
     with pytest.raises(ValueError, match="no older tier"):
         apply_boundary(kvpack.KVCache(config, "kivi:4"), 256)
+
+
+# -- the live signal: attention mass per part times each tier's tracked error ---------------------------
+def test_part_masses_equal_the_softmax_mass_over_each_parts_columns():
+    from kvpack.kernels.cpu_lut import partial_reference
+
+    g = torch.Generator().manual_seed(7)
+    widths = [4, 100, 37, 64]
+    scores = torch.randn(2, 3, 5, sum(widths), generator=g) * 3
+    values = torch.randn(2, 3, sum(widths), 16, generator=g)
+    cols = torch.split(torch.arange(sum(widths)), widths)
+    parts = [partial_reference(scores[..., c], values[:, :, c]) for c in cols]
+    reference = torch.stack([scores.softmax(-1)[..., c].sum(-1) for c in cols], -1).mean(dim=(0, 1, 2))
+    assert torch.allclose(part_masses(parts), reference, atol=1e-6)
+
+
+@torch.no_grad()
+def _decode_estimates(boundary: int) -> list:
+    model = _tiny()
+    cache = kvpack.KVCache(model, f"tiered:{boundary}", tracker=QualityTracker(1.0))
+    ids = torch.randint(0, 128, (1, 1200), generator=torch.Generator().manual_seed(8))
+    kvpack.enable(model)
+    try:
+        model.generate(ids, past_key_values=cache, max_new_tokens=24, min_new_tokens=24, do_sample=False)
+    finally:
+        kvpack.disable(model)
+    return cache.tracker.drain_estimates()
+
+
+def test_decode_estimates_are_probability_masses_and_fall_as_the_boundary_rises():
+    low, high = _decode_estimates(128), _decode_estimates(1024)
+    assert len(low) == len(high) == 2 * 23  # every decode step of both layers (fraction 1.0; the prefill is no decode step)
+    for est in low + high:
+        assert math.isclose(sum(est.masses.values()), 1.0, rel_tol=1e-5) and est.error >= 0
+    assert {"sink", "window", "tier1", "stream"} <= set(low[0].masses) and low[0].boundary == 128
+    archive = lambda ests: sum(e.masses.get("tier1", 0.0) for e in ests) / len(ests)  # noqa: E731
+    assert archive(low) > 3 * archive(high)  # 1,000 archived tokens against 100
+    assert sum(e.error for e in low) / len(low) > sum(e.error for e in high) / len(high)
+
+
+def test_adapt_feeds_the_controller_and_moves_the_live_cache():
+    config = LlamaConfig(num_hidden_layers=2, num_key_value_heads=2, **SMALL)
+    with pytest.raises(ValueError, match="QualityTracker"):
+        adapt(kvpack.KVCache(config, "tiered:512"), AdaptiveThresholds(AdaptiveConfig(0.05)))
+    model = _tiny()
+    cache = kvpack.KVCache(model, "tiered:128", tracker=QualityTracker(1.0))
+    controller = AdaptiveThresholds(AdaptiveConfig.for_method(cache.method, 1e-9, min_samples=2, max_samples=4), initial=128)
+    ids = torch.randint(0, 128, (1, 700), generator=torch.Generator().manual_seed(9))
+    kvpack.enable(model)
+    try:
+        with torch.no_grad():
+            model.generate(ids, past_key_values=cache, max_new_tokens=8, do_sample=False)
+    finally:
+        kvpack.disable(model)
+    boundary = adapt(cache, controller)  # every estimate is above a target of 1e-9: the boundary moves up
+    assert boundary > 128 and cache.method.tiers[0].after == boundary == controller.boundary
+    assert adapt(cache, controller) == boundary  # nothing new recorded: nothing moves

@@ -143,24 +143,31 @@ def fused_decode(layer: KVPackLayer, query: torch.Tensor, scaling: float) -> tor
         return ungroup(_ops_decode(layer, q, query, scaling), hq)
     if not kernels.available():
         return None
-    parts = []
-    for k, v in ((layer.sink_k, layer.sink_v), (layer.win_k, layer.win_v)):
+    parts, kinds = [], []
+    for kind, k, v in (("sink", layer.sink_k, layer.sink_v), ("window", layer.win_k, layer.win_v)):
         if k.shape[2]:
             part = fused.exact_partial(q, k, v, scaling)
             if part is None:
                 return None
             parts.append(part)
+            kinds.append(kind)
     for seg in layer.segments:
         first = lambda seg=seg: layer.positions(seg.start, 1)[:, 0].contiguous()  # noqa: E731
         parts.append(fused.segment_partial(q, seg, scaling, first) or _codec_partial(layer, seg, query, scaling))
+        kinds.append(seg.kind)
+    if layer.tracker is not None:  # attention mass per part, from the partials: the adaptive boundary's live signal
+        layer.tracker.on_decode(layer, kinds, parts)
     return ungroup(fused.merge(parts), hq)
 
 
 def _ops_decode(layer: KVPackLayer, q: torch.Tensor, query: torch.Tensor, scaling: float) -> torch.Tensor:
     """The decode step through the device-dispatched custom ops; codecs without an op use their own math."""
-    parts = [fused.ops_exact_partial(q, k, v, scaling) for k, v in ((layer.sink_k, layer.sink_v), (layer.win_k, layer.win_v)) if k.shape[2]]
+    exact = [(kind, k, v) for kind, k, v in (("sink", layer.sink_k, layer.sink_v), ("window", layer.win_k, layer.win_v)) if k.shape[2]]
+    parts = [fused.ops_exact_partial(q, k, v, scaling) for _, k, v in exact]
     for seg in layer.segments:
         parts.append(fused.ops_segment_partial(q, seg, scaling) or _codec_partial(layer, seg, query, scaling))
+    if layer.tracker is not None:
+        layer.tracker.on_decode(layer, [kind for kind, _, _ in exact] + [seg.kind for seg in layer.segments], parts)
     return fused.merge_torch(parts)
 
 

@@ -101,6 +101,31 @@ class LayerQuality:
     max_error: float
 
 
+@dataclass(frozen=True)
+class DecodeEstimate:
+    """One probed decode step of one layer: where its attention went, and the output error that implies.
+
+    masses: the share of the step's attention probability on each part of the layer ("sink", "window",
+    and each segment kind: "prefill", "stream", "tier1", ...), averaged over batch rows, kv heads and
+    query rows; they sum to 1. error: sum over parts of mass x the part's tracked mean error (exact parts
+    0; a tier without samples yet is left out). boundary: `tiers[0].after` when it was measured (None
+    without tiers). The estimate rises with the attention that lands in lossy tiers, so it falls as the
+    boundary rises: the signal `AdaptiveThresholds` needs (`adapt`)."""
+
+    layer: int
+    masses: dict[str, float]
+    error: float
+    boundary: int | None
+
+
+def part_masses(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """Share of attention probability per part `(parts,)`, from online-softmax partials (m, l, o) with m, l
+    `(batch, kv, rows, 1)`: part i holds l_i e^(m_i - M) of the total, averaged over batch, heads and rows."""
+    m = torch.cat([p[0] for p in parts], dim=-1).float()  # (b, kv, rows, parts)
+    w = torch.cat([p[1] for p in parts], dim=-1).float() * torch.exp(m - m.amax(-1, keepdim=True))
+    return (w / w.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)).mean(dim=(0, 1, 2))
+
+
 class _Running:
     """Count, mean and max of a stream of errors."""
 
@@ -137,6 +162,11 @@ class QualityTracker:
         self._tiers: dict[str, _Running] = {}
         self._layers: dict[int, _Running] = {}
         self._recent: deque[Sample] = deque(maxlen=history)
+        self.decode_steps = 0
+        self._decode_rng = random.Random(seed + 1)  # its own stream: probing decode steps never shifts which flushes are sampled
+        self._estimates: deque[DecodeEstimate] = deque(maxlen=history)
+        self._drained = 0  # estimates handed out by `drain_estimates`, counted over the tracker's life
+        self._produced = 0
 
     def on_flush(self, layer: KVPackLayer, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
         """Called by `KVPackLayer.flush` once it has encoded tokens [start, start + n) and trimmed its window.
@@ -150,6 +180,38 @@ class QualityTracker:
         probe = self._probe(layer, k)
         for sample in self._measure(layer, k, v, start, probe):
             self._record(sample)
+
+    def on_decode(self, layer: KVPackLayer, kinds: list[str], parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
+        """Called by kvpack's fused decode step with the layer's partials, one per part named in `kinds`.
+
+        On a seeded `fraction` of steps it records a `DecodeEstimate`: the attention mass per part, read from
+        the partials the step computed anyway (no extra attention pass), times each tier's tracked error."""
+        with self._lock:
+            self.decode_steps += 1
+            if self._decode_rng.random() >= self.config.fraction:
+                return
+            errors = {t: r.mean for t, r in self._tiers.items()}
+        masses: dict[str, float] = {}
+        for kind, mass in zip(kinds, part_masses(parts).tolist(), strict=True):
+            masses[kind] = masses.get(kind, 0.0) + mass
+        error = sum(mass * errors.get(kind, 0.0) for kind, mass in masses.items())
+        boundary = layer.method.tiers[0].after if layer.method.tiers else None
+        with self._lock:
+            self._estimates.append(DecodeEstimate(layer.layer_idx, masses, error, boundary))
+            self._produced += 1
+
+    def drain_estimates(self) -> list[DecodeEstimate]:
+        """The decode estimates recorded since the last call (at most `history` of them), oldest first."""
+        with self._lock:
+            new = min(self._produced - self._drained, len(self._estimates))
+            self._drained = self._produced
+            return list(self._estimates)[len(self._estimates) - new :] if new else []
+
+    @property
+    def estimates(self) -> tuple[DecodeEstimate, ...]:
+        """The most recent decode estimates (at most `history`), oldest first."""
+        with self._lock:
+            return tuple(self._estimates)
 
     def _probe(self, layer: KVPackLayer, k: torch.Tensor) -> torch.Tensor:
         """Pseudo-queries `(batch, kv_heads, probes, d)`: the newest window keys, else the block's last keys."""
@@ -387,6 +449,23 @@ def apply_boundary(cache: KVCache, boundary: int) -> MethodConfig:
         if isinstance(layer, KVPackLayer):
             layer.method = new
     return new
+
+
+def adapt(cache: KVCache, controller: AdaptiveThresholds) -> int:
+    """Feed `controller` the decode estimates the cache's tracker recorded since the last call, moving the
+    cache's boundary (`apply_boundary`) whenever the controller does; returns the boundary now in use.
+
+    Call it between decode steps (e.g. every few tokens). Estimates measured at another boundary than the
+    controller's current one (before a move took effect) are skipped."""
+    if cache.tracker is None:
+        raise ValueError("adapt needs a QualityTracker on the cache: KVCache(model, method, tracker=kvpack.QualityTracker(0.1))")
+    for estimate in cache.tracker.drain_estimates():
+        if estimate.boundary != controller.boundary:
+            continue
+        before = controller.boundary
+        if controller.observe(estimate.error) != before:
+            apply_boundary(cache, controller.boundary)
+    return controller.boundary
 
 
 # -- persistence -----------------------------------------------------------------------------------
