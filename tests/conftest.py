@@ -10,6 +10,16 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def _no_layer_left_pending():
+    """Tests that drive a layer by hand (update with kvpack attention 'on', no attention call) leave it waiting
+    on this thread; the next test's model must not inherit that."""
+    yield
+    from kvpack.cache.layer import PENDING
+
+    PENDING.layer = None
+
+
 @pytest.fixture(scope="session")
 def eval_tiny():
     """(model, tokenizer): a 2-layer random Llama (hidden 64, 4 heads of dim 64, 2 kv heads) and a byte tokenizer."""

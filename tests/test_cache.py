@@ -319,3 +319,25 @@ def test_decode_bench_fills_query_fitted_methods_through_a_real_forward():
             assert cache.layers[0]._codecs["prefill_key"].rank_source == expect
     finally:
         kvpack.disable(model)
+
+
+def test_a_forward_that_broke_off_mid_layer_does_not_poison_the_next_forward():
+    """A layer left waiting for its attention (an exception between update and attention) must not make a later
+    forward of the same model, with another cache, refuse its untagged attention."""
+    from transformers import DynamicCache
+
+    from kvpack.cache.layer import PENDING
+
+    model = _tiny("llama")
+    ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(7))
+    stale = kvpack.KVCache(model, "int8")  # installs the model's forward hook
+    kvpack.enable(model)
+    try:
+        stale.layers[0].lazy_initialization(torch.zeros(1, 2, 0, 16), torch.zeros(1, 2, 0, 16))
+        stale.layers[0].pending_attention = True
+        PENDING.layer = stale.layers[0]
+        with torch.no_grad():
+            out = model(ids, past_key_values=DynamicCache(config=model.config)).logits
+    finally:
+        kvpack.disable(model)
+    assert torch.isfinite(out).all()

@@ -10,7 +10,7 @@ from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
 from .. import kernels
 from ..registry import DEFAULT_METHOD, CodecSpec, MethodConfig, get_method
 from .budget import BudgetEvent, LayerShare, MemoryBudget, rematerialize
-from .layer import DEBUG, KVPackLayer, deepcopy_sharing
+from .layer import DEBUG, PENDING, KVPackLayer, deepcopy_sharing
 from .tracker import QualityTracker
 
 # Architectures whose attention modules were verified to call `past_key_values.update` with
@@ -56,6 +56,9 @@ def _watch_attention_mask(model) -> None:
         return
 
     def hook(_module, args, kwargs):
+        # A forward that broke off between a layer's update and its attention left that layer waiting; a new
+        # forward starts clean, or its first untagged attention (another cache) would be refused.
+        PENDING.layer = None
         cache = kwargs.get("past_key_values")
         if isinstance(cache, KVCache):
             cache.begin_forward()  # before the model reads get_seq_length() for its positions
