@@ -25,8 +25,8 @@ from kvpack.cache.tracker import (
     adapt,
     apply_boundary,
     load_or_default,
-    part_masses,
     load_thresholds,
+    part_masses,
     save_thresholds,
 )
 from kvpack.codecs.kivi import KiviCodec, KiviConfig
