@@ -149,13 +149,18 @@ def test_refusals_name_the_problem_and_leave_the_cache_empty(tiny):
         kvpack.KVCache(tiny, "int8", budget=10**7)
 
 
+@torch.no_grad()
+def _prompt_with_evictions(model) -> kvpack.KVCache:
+    """An int8 cache holding the prompt under a budget that made it evict 30% of its compressed bytes."""
+    unlimited = kvpack.KVCache(model, "int8")
+    model(_ids(), past_key_values=unlimited, use_cache=True)
+    cache = kvpack.KVCache(model, "int8", budget=_binding(unlimited, 0.3))
+    model(_ids(), past_key_values=cache, use_cache=True)
+    return cache
+
+
 def test_a_cache_with_evicted_tokens_is_saved_only_after_rematerializing(tiny, tmp_path):
-    unlimited = kvpack.KVCache(tiny, "int8")
-    with torch.no_grad():
-        tiny(_ids(), past_key_values=unlimited, use_cache=True)
-    cache = kvpack.KVCache(tiny, "int8", budget=_binding(unlimited, 0.3))
-    with torch.no_grad():
-        tiny(_ids(), past_key_values=cache, use_cache=True)
+    cache = _prompt_with_evictions(tiny)
     with pytest.raises(ValueError, match="rematerialize"):
         save_cache(cache, tmp_path / "c")
     assert not (tmp_path / "c").exists()
@@ -166,12 +171,7 @@ def test_a_cache_with_evicted_tokens_is_saved_only_after_rematerializing(tiny, t
 
 
 def test_crop_into_the_evicted_range_then_generate(tiny):
-    unlimited = kvpack.KVCache(tiny, "int8")
-    with torch.no_grad():
-        tiny(_ids(), past_key_values=unlimited, use_cache=True)
-    cache = kvpack.KVCache(tiny, "int8", budget=_binding(unlimited, 0.3))
-    with torch.no_grad():
-        tiny(_ids(), past_key_values=cache, use_cache=True)
+    cache = _prompt_with_evictions(tiny)
     start, n, _ = cache.layers[0].evicted[0]
     cache.crop(start + n // 2 - cache.get_seq_length())  # keep half of the evicted range only
     assert cache.get_seq_length() == start + n // 2
