@@ -283,15 +283,25 @@ def _subspace(arg: str) -> MethodConfig:
     return MethodConfig(f"subspace:{arg}", spec, spec)
 
 
-@method("tiered", "512")
+@method("tiered", "512", "512:tq")
 def _tiered(arg: str) -> MethodConfig:
-    """ADR-004's three tiers: the exact window (hot), KIVI 4-bit (warm), KIVI 2-bit beyond `arg` tokens (archive)."""
+    """ADR-004's three tiers: the exact window (hot), KIVI 4-bit (warm), KIVI 2-bit beyond `after` tokens (archive).
+
+    `tiered:<after>:tq` uses kvpack's TurboQuant codecs instead: k4v4 warm, the default's k3v2 archive.
+    """
+    boundary, _, family = (arg or "512").partition(":")
     try:
-        after = int(arg) if arg else 512
+        after = int(boundary)
     except ValueError:
         after = -1
-    if after < 128 or after % 64:
-        raise ValueError(f"tiered takes the archive boundary in tokens, a multiple of 64 from 128 (e.g. tiered:512), got {arg!r}")
+    if after < 128 or after % 64 or family not in ("", "tq"):
+        raise ValueError(
+            f"tiered takes the archive boundary in tokens, a multiple of 64 from 128, then optionally ':tq' for TurboQuant "
+            f"tiers (e.g. tiered:512, tiered:512:tq), got {arg!r}"
+        )
+    if family == "tq":
+        warm, archive = _turboquant("k4v4"), _turboquant("k3v2")
+        return MethodConfig(f"tiered:{after}:tq", warm.key, warm.value, tiers=(Tier(archive.key, archive.value, after),))
     warm = (CodecSpec("kivi", {"bits": 4, "axis": "channel"}), CodecSpec("kivi", {"bits": 4, "axis": "token"}))
     archive = Tier(CodecSpec("kivi", {"bits": 2, "axis": "channel"}), CodecSpec("kivi", {"bits": 2, "axis": "token"}), after)
     return MethodConfig(f"tiered:{after}", *warm, tiers=(archive,))
