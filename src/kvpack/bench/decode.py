@@ -160,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--text", default="news")
     p.add_argument("--json", default="bench/results/decode.json")
     p.add_argument("--plot", default=None, help="PNG: ms per token vs context per method")
+    p.add_argument("--conditions", default="quiet", help="what else ran on the machine, stored in the JSON (e.g. 'two busy loops')")
     args = p.parse_args(argv)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     contexts = [int(c) for c in args.contexts.split(",")]
@@ -179,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.model}: context {ctx}", flush=True)
         ids = token_stream(tok, args.text, ctx)
         rows += run_context(model, ids, methods, args.steps, args.warmup)
-        out = {"environment": environment(PROG), "model": args.model, "dtype": args.dtype, "rows": rows}
+        out = {"environment": environment(PROG), "model": args.model, "dtype": args.dtype, "conditions": args.conditions, "rows": rows}
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(out, indent=1))  # saved after every context
     if args.plot:
