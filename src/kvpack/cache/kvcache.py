@@ -59,7 +59,8 @@ def _watch_attention_mask(model) -> None:
         # A forward that broke off between a layer's update and its attention left that layer waiting; a new
         # forward starts clean, or its first untagged attention (another cache) would be refused.
         PENDING.layer = None
-        cache = kwargs.get("past_key_values")
+        # transformers >= 5.24 passes the cache as `cache` (`past_key_values` is deprecated); earlier 5.x as `past_key_values`.
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
         if isinstance(cache, KVCache):
             cache.begin_forward()  # before the model reads get_seq_length() for its positions
             cache.observe_attention_mask(kwargs.get("attention_mask"))
