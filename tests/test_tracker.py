@@ -17,18 +17,21 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import kvpack
 from kvpack.cache import KVPackLayer
 from kvpack.cache.tracker import (
+    AdaptiveArchive,
     AdaptiveConfig,
     AdaptiveThresholds,
     QualityTracker,
     Thresholds,
     ThresholdsFileError,
     adapt,
+    apply_archive_bits,
     apply_boundary,
     load_or_default,
     load_thresholds,
     part_masses,
     save_thresholds,
 )
+from kvpack.codecs.base import slice_packed
 from kvpack.codecs.kivi import KiviCodec, KiviConfig
 from kvpack.registry import get_method
 
@@ -114,21 +117,40 @@ def test_tiers_and_layers_keep_running_means_and_fewer_bits_err_more():
     assert set(tiers) == {"tier1", "stream"}  # the long prompt's old part went straight to the archive
     for name, stat in tiers.items():
         errors = [s.error for s in tracker.samples if s.tier == name]
-        assert stat.samples == len(errors) == 2 and stat.mean_error == pytest.approx(sum(errors) / len(errors))
+        # per layer: stream 1 (its block); tier1 2 (the block encoded straight into it, and the stream block's demotion ahead)
+        assert stat.samples == len(errors) == (4 if name == "tier1" else 2) and stat.mean_error == pytest.approx(sum(errors) / len(errors))
         assert stat.max_error == max(errors)
     assert tiers["tier1"].mean_error > tiers["stream"].mean_error  # KIVI 2-bit archive vs 4-bit warm
     assert [layer.layer for layer in tracker.layers()] == [0, 1]
 
 
-def test_demotions_are_not_sampled():
+def test_demotions_are_sampled_ahead_and_match_the_block_once_demoted():
     tracker = QualityTracker(1.0)
     layer = _layer("tiered:512", tracker)
     g = torch.Generator().manual_seed(2)
-    layer.update(torch.randn(1, 2, 300, 64, generator=g), torch.randn(1, 2, 300, 64, generator=g))
-    _, _, encoding_updates = _feed(layer, 900, 1, g)
-    assert layer.segments[0].kind == "tier1" and layer.segments[0].length > 0  # blocks were demoted ...
-    assert {s.tier for s in tracker.samples} == {"stream"}  # ... but only encodes from the window were measured
-    assert len(tracker.samples) == tracker.flushes == encoding_updates + 1
+    k0, v0 = torch.randn(1, 2, 300, 64, generator=g), torch.randn(1, 2, 300, 64, generator=g)
+    layer.update(k0, v0)
+    k1, v1, encoding_updates = _feed(layer, 900, 1, g)
+    k, v = torch.cat([k0, k1], 2).half().float(), torch.cat([v0, v1], 2).half().float()  # the window holds fp16
+    assert len(tracker.samples) == 2 * tracker.flushes == 2 * (encoding_updates + 1)  # each stream block, and its demotion ahead
+    archive = next(seg for seg in layer.segments if seg.kind == "tier1")
+    checked = 0
+    for s in tracker.samples:
+        if s.tier != "tier1" or s.start + s.tokens > archive.start + archive.length:
+            continue  # not demoted yet
+        # Recomputed here from the block as the archive now holds it, with the probes of its flush: the newest 4
+        # window keys right after it (the prompt's flush ends at token 300; each block's leaves a 64-token window).
+        lo, hi = s.start - archive.start, s.start - archive.start + s.tokens
+        pos = layer.positions(s.start, s.tokens)
+        k_hat = archive.key_codec.decode(slice_packed(archive.keys, lo, hi), pos)
+        v_hat = archive.value_codec.decode(slice_packed(archive.values, lo, hi), pos)
+        end = 300 if s.start == 4 else s.start + s.tokens + 64
+        probe = k[:, :, end - 4 : end]
+        exact = F.scaled_dot_product_attention(probe, k[:, :, s.start : s.start + s.tokens], v[:, :, s.start : s.start + s.tokens])
+        approx = F.scaled_dot_product_attention(probe, k_hat, v_hat)
+        assert s.error == pytest.approx(float((exact - approx).norm() / exact.norm()), rel=1e-4)
+        checked += 1
+    assert checked >= 5
 
 
 def test_tracking_leaves_the_cache_unchanged():
@@ -348,3 +370,76 @@ def test_adapt_feeds_the_controller_and_moves_the_live_cache():
     boundary = adapt(cache, controller)  # every estimate is above a target of 1e-9: the boundary moves up
     assert boundary > 128 and cache.method.tiers[0].after == boundary == controller.boundary
     assert adapt(cache, controller) == boundary  # nothing new recorded: nothing moves
+
+
+# -- archive bits -----------------------------------------------------------------------------------------
+def test_archive_bits_apply_to_new_blocks_and_the_old_ones_round_trip_through_a_file(tmp_path):
+    from kvpack.cache.serialize import load_cache, save_cache
+    from kvpack.models import tiny_random_model
+    from test_serialize import _assert_same_state, _generate
+
+    model, _ = tiny_random_model(seed=0)
+    cache = kvpack.KVCache(model, "tiered:128:tq", tracker=QualityTracker(1.0))
+    ids = torch.randint(0, 256, (1, 300), generator=torch.Generator().manual_seed(4))
+    seq, _ = _generate(model, ids, cache, 64)
+    assert {s.tier for s in cache.tracker.samples} >= {"tier1"}
+    with pytest.raises(ValueError, match="bits"):
+        apply_archive_bits(cache, 9, 9)
+    new = apply_archive_bits(cache, 4, 4)
+    assert (new.tiers[0].key.options["bits"], new.tiers[0].value.options["bits"]) == (4, 4) and cache.method is new
+    assert "tier1" not in {t.tier for t in cache.tracker.tiers()}  # its error changes with the bits: forgotten
+    seq, _ = _generate(model, seq, cache, 128)  # two more blocks age past the boundary into 4-bit codecs
+    layer = cache.compressed_layers()[0]
+    archives = [seg for seg in layer.segments if seg.kind == "tier1"]
+    assert [(seg.key_codec.config.bits, seg.value_codec.config.bits) for seg in archives] == [(3, 2), (4, 4)]
+    assert archives[0].key_codec is layer._codecs["tier1@1_key"] and archives[1].key_codec is layer._codecs["tier1_key"]
+    save_cache(cache, tmp_path / "c")
+    loaded = load_cache(tmp_path / "c", model)
+    _assert_same_state(cache, loaded)
+    expected, _ = _generate(model, seq, cache, 8)
+    assert torch.equal(_generate(model, seq, loaded, 8)[0], expected)
+
+
+def _two_rung_curve(rung: int, boundary: int) -> float:
+    """Synthetic error: rung 0 (fewest bits) is 3x as lossy as rung 1 at every boundary."""
+    return (3.0 if rung == 0 else 1.0) * _error_at(boundary)
+
+
+def _run_archive(archive: AdaptiveArchive, samples: int, rng: random.Random) -> list[tuple[int, int]]:
+    path = []
+    for _ in range(samples):
+        archive.boundary.observe(max(0.0, _two_rung_curve(archive.rung, archive.boundary.boundary) * (1 + 0.1 * rng.gauss(0, 1))))
+        archive.step()
+        path.append((archive.rung, archive.boundary.boundary))
+    return path
+
+
+def test_archive_climbs_a_rung_when_no_boundary_meets_the_target_and_settles():
+    config = AdaptiveConfig(0.0314, block_size=64, min_after=128, max_after=1024)
+    # Rung 0 misses the target even at 1024 (3 x 0.0227); rung 1 meets it from 704 (as in the boundary test).
+    assert _two_rung_curve(0, 1024) > 0.0314 and _two_rung_curve(1, 704) <= 0.0314 < _two_rung_curve(1, 640)
+    for seed in range(20):
+        archive = AdaptiveArchive(AdaptiveThresholds(config, 512), ((2, 2), (3, 3)), start=0)
+        path = _run_archive(archive, 400, random.Random(seed))
+        assert path[-1] == (1, 704) and archive.floor == 1, seed
+        assert sum(a[0] != b[0] for a, b in zip(path[:-1], path[1:], strict=True)) == 1  # one climb, never back down
+
+
+def test_archive_steps_down_while_the_target_holds_at_the_lowest_boundary():
+    config = AdaptiveConfig(0.5, block_size=64, min_after=128, max_after=1024)  # loose: every rung meets it at 128 (rung 0: 0.42)
+    archive = AdaptiveArchive(AdaptiveThresholds(config, 512), ((2, 2), (3, 2), (3, 3)), start=2)
+    path = _run_archive(archive, 300, random.Random(0))
+    assert path[-1] == (0, 128)  # as few bytes as allowed
+    assert archive.thresholds().archive_bits == (2, 2)
+    with pytest.raises(ValueError, match="rungs must be"):
+        AdaptiveArchive(AdaptiveThresholds(config), (), 0)
+    with pytest.raises(ValueError, match="start must index rungs"):
+        AdaptiveArchive(AdaptiveThresholds(config), ((2, 2),), 1)
+
+
+def test_thresholds_keep_the_archive_bits(tmp_path):
+    saved = Thresholds(704, 0.0314, 64, 61, True, archive_bits=(3, 2))
+    save_thresholds(tmp_path / "t.json", "m", saved)
+    assert load_thresholds(tmp_path / "t.json", "m") == saved
+    with pytest.raises(ValueError, match="archive_bits must be None or"):
+        Thresholds(704, 0.0314, 64, archive_bits=(3,))

@@ -490,6 +490,20 @@ class KVPackLayer(CacheLayerMixin):
             self._codecs[name] = codec
         return self._codecs[name]
 
+    def retire_codecs(self, kind: str) -> None:
+        """Keep `kind`'s codecs for the segments they encoded, under new names (`tier1@1_key`, ...), so the next
+        block of `kind` builds fresh codecs from the method's current specs (e.g. after `apply_archive_bits`).
+        A retired codec is never asked to encode again; the segments it wrote keep reading through it."""
+        held = [f"{kind}_{side}" for side in ("key", "value") if f"{kind}_{side}" in self._codecs]
+        if not held:
+            return
+        generation = 1 + sum(1 for name in self._codecs if name.startswith(f"{kind}@") and name.endswith("_key"))
+        codecs = dict(self._codecs)  # a new dict: a rollback snapshot keeps the old one
+        for name in held:
+            side = name.rpartition("_")[2]
+            codecs[f"{kind}@{generation}_{side}"] = codecs.pop(name)
+        self._codecs = codecs
+
     def _spec(self, kind: str, side: str) -> CodecSpec:
         m = self.method
         if kind.startswith("tier"):

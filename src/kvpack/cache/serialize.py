@@ -33,7 +33,7 @@ import torch
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from ..codecs.base import Packed
-from ..registry import CodecSpec, MethodConfig, Tier, get_method
+from ..registry import CODECS, CodecSpec, MethodConfig, Tier, get_method
 from .kvcache import KVCache, _rope_per_layer, _text_config, layer_kinds
 from .layer import KVPackLayer, Segment
 
@@ -160,6 +160,8 @@ def _save_kvpack_layer(layer: KVPackLayer, prefix: str, tensors: dict[str, torch
     for name, codec in layer._codecs.items():
         state = codec.state_dict()
         entry["codecs"][name] = {"codec": codec.name, "state": sorted(state)}
+        if "@" in name:  # retired (layer.retire_codecs): the method no longer names its spec, so the file does
+            entry["codecs"][name]["spec"] = _spec_json(_codec_spec(codec))
         tensors.update({f"{prefix}.codecs.{name}.{key}": t for key, t in state.items()})
     names = {id(codec): name for name, codec in layer._codecs.items()}
     for j, seg in enumerate(layer.segments):
@@ -291,7 +293,7 @@ def _restore_kvpack_layer(layer: KVPackLayer, entry: dict, tensors: _Tensors, pa
     for part, dim in (("sink_k", d), ("sink_v", dv), ("win_k", d), ("win_v", dv)):
         setattr(layer, part, _checked(tensors.get(part), (b, h, None, dim), layer.exact_dtype, f"{tensors.prefix}.{part}", path))
     for name, info in entry["codecs"].items():
-        codec = layer._codec(*_codec_slot(name, path))
+        codec = _restore_codec(layer, name, info, path)
         if codec.name != info["codec"]:
             raise CacheFileError(f"{path}: {tensors.prefix} codec {name!r} was {info['codec']!r}, the method builds {codec.name!r}")
         state = {key: tensors.get(f"codecs.{name}.{key}", "cpu") for key in info["state"]}
@@ -363,9 +365,33 @@ def _check_layer_layout(layer: KVPackLayer, prefix: str, path: Path) -> None:
 
 def _codec_slot(name: str, path: Path) -> tuple[str, str]:
     kind, _, side = name.rpartition("_")
-    if not (kind in ("prefill", "stream") or (kind.startswith("tier") and kind[4:].isdigit())) or side not in ("key", "value"):
+    tier, _, generation = kind.partition("@")
+    ok = kind in ("prefill", "stream") or (tier.startswith("tier") and tier[4:].isdigit() and (not generation or generation.isdigit()))
+    if not ok or side not in ("key", "value"):
         raise CacheFileError(_corrupted_message(path, f"unknown codec slot {name!r}"))
     return kind, side
+
+
+def _codec_spec(codec) -> CodecSpec:
+    """The registry spec that builds `codec` again: its registered name and every field of its config."""
+    name = next(key for key, target in CODECS.items() if target == f"{type(codec).__module__}:{type(codec).__name__}")
+    return CodecSpec(name, dataclasses.asdict(codec.config))
+
+
+def _restore_codec(layer: KVPackLayer, name: str, info: dict, path: Path):
+    """The layer's codec for slot `name`: built by the method, or for a retired slot from the spec the file keeps."""
+    kind, side = _codec_slot(name, path)
+    if "@" not in kind:
+        return layer._codec(kind, side)
+    try:
+        spec = CodecSpec(info["spec"]["codec"], dict(info["spec"]["options"]))
+    except (KeyError, TypeError, ValueError) as err:
+        raise CacheFileError(_corrupted_message(path, f"retired codec {name!r} has no valid spec: {err}")) from err
+    codec = spec.build(layer.head_dim if side == "key" else layer.v_head_dim, layer.kv_heads, layer.layer_idx)
+    if codec.uses_positions:
+        codec.set_rope(*layer.rope)
+    layer._codecs[name] = codec
+    return codec
 
 
 # -- method and model identity -----------------------------------------------------------------------

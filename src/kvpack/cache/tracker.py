@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..codecs.base import slice_packed
-from ..registry import MethodConfig
+from ..registry import CodecSpec, MethodConfig
 from .layer import KVPackLayer
 
 if TYPE_CHECKING:
@@ -116,6 +116,7 @@ class DecodeEstimate:
     masses: dict[str, float]
     error: float
     boundary: int | None
+    complete: bool = True  # every lossy part with attention mass had tracked samples (else its error counted as 0)
 
 
 def part_masses(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -149,9 +150,10 @@ class QualityTracker:
     token each. Only a method without a window (nothing newer is held) falls back to the block's own
     last keys. Attention is over the block alone: the error isolates this block's codec, not the mix.
 
-    Demotions (warm to archive) are not sampled: the originals are gone by then, so they would measure
-    the re-encode only. An archive tier is sampled when tokens are encoded into it straight from the
-    window (a long prompt). Samples are not undone when a failed forward is rolled back.
+    Older tiers are sampled twice over: when tokens are encoded into them straight from the window (a long
+    prompt), and, for every sampled block of a younger tier, by replaying the demotions still ahead of it
+    at flush time (`_demotions`), since at the demotion itself the originals are gone. Samples are not
+    undone when a failed forward is rolled back.
     """
 
     def __init__(self, fraction: float = 0.1, *, seed: int = 0, probes: int = 4, history: int = 4096):
@@ -195,9 +197,10 @@ class QualityTracker:
         for kind, mass in zip(kinds, part_masses(parts).tolist(), strict=True):
             masses[kind] = masses.get(kind, 0.0) + mass
         error = sum(mass * errors.get(kind, 0.0) for kind, mass in masses.items())
+        complete = all(kind in errors or kind in ("sink", "window") or mass == 0 for kind, mass in masses.items())
         boundary = layer.method.tiers[0].after if layer.method.tiers else None
         with self._lock:
-            self._estimates.append(DecodeEstimate(layer.layer_idx, masses, error, boundary))
+            self._estimates.append(DecodeEstimate(layer.layer_idx, masses, error, boundary, complete))
             self._produced += 1
 
     def drain_estimates(self) -> list[DecodeEstimate]:
@@ -212,6 +215,12 @@ class QualityTracker:
         """The most recent decode estimates (at most `history`), oldest first."""
         with self._lock:
             return tuple(self._estimates)
+
+    def forget(self, tier: str) -> None:
+        """Drop `tier`'s running statistics (its codecs changed, e.g. `apply_archive_bits`): estimates leave it
+        out, marked incomplete, until new samples arrive."""
+        with self._lock:
+            self._tiers.pop(tier, None)
 
     def _probe(self, layer: KVPackLayer, k: torch.Tensor) -> torch.Tensor:
         """Pseudo-queries `(batch, kv_heads, probes, d)`: the newest window keys, else the block's last keys."""
@@ -229,8 +238,30 @@ class QualityTracker:
             pos = layer.positions(lo, hi - lo)
             k_hat = seg.key_codec.decode(slice_packed(seg.keys, lo - seg.start, hi - seg.start), pos)
             v_hat = seg.value_codec.decode(slice_packed(seg.values, lo - seg.start, hi - seg.start), pos)
-            err = attention_error(probe, k[:, :, lo - start : hi - start], v[:, :, lo - start : hi - start], k_hat, v_hat)
-            out.append(Sample(layer.layer_idx, seg.kind, lo, hi - lo, err))
+            k0, v0 = k[:, :, lo - start : hi - start], v[:, :, lo - start : hi - start]
+            out.append(Sample(layer.layer_idx, seg.kind, lo, hi - lo, attention_error(probe, k0, v0, k_hat, v_hat)))
+            out.extend(self._demotions(layer, seg.kind, (k0, v0), (k_hat, v_hat), probe, lo, pos))
+        return out
+
+    def _demotions(self, layer: KVPackLayer, kind: str, original: tuple, stored: tuple, probe: torch.Tensor, start: int, pos) -> list[Sample]:
+        """What the block will hold after each demotion still ahead of it, measured now, while its originals exist.
+
+        A demotion decodes the younger tier and re-encodes (`KVPackLayer._demote`), so the chain is replayed on
+        the stored reconstruction with deep copies of the older tiers' codecs (a copy of a codec that has not
+        fitted yet fits on this block and is dropped: the cache's own codecs are untouched). Without these
+        samples a tier reached only by demotion (every decoded token of a chat) would have no error at all, and
+        the decode estimate would fall as the boundary falls."""
+        tiers = len(layer.method.tiers)
+        first = 1 if kind == "stream" else int(kind[4:]) + 1 if kind.startswith("tier") else tiers + 1
+        (k, v), (k_hat, v_hat), out = original, stored, []
+        for level in range(first, tiers + 1):
+            kc, vc = (copy.deepcopy(layer._codec(f"tier{level}", side)) for side in ("key", "value"))
+            n = k.shape[2] // math.lcm(kc.token_multiple, vc.token_multiple) * math.lcm(kc.token_multiple, vc.token_multiple)
+            if not n:
+                break
+            k, v, k_hat, v_hat, pos = k[:, :, :n], v[:, :, :n], k_hat[:, :, :n], v_hat[:, :, :n], pos[..., :n]
+            k_hat, v_hat = kc.decode(kc.encode(k_hat, pos), pos), vc.decode(vc.encode(v_hat, pos), pos)
+            out.append(Sample(layer.layer_idx, f"tier{level}", start, n, attention_error(probe, k, v, k_hat, v_hat)))
         return out
 
     def _record(self, sample: Sample) -> None:
@@ -275,8 +306,14 @@ class Thresholds:
     block_size: int
     samples: int = 0
     converged: bool = False
+    archive_bits: tuple[int, int] | None = None  # (key, value) bits of the archive, when an AdaptiveArchive chose them
 
     def __post_init__(self):
+        if isinstance(self.archive_bits, list):  # read back from JSON
+            object.__setattr__(self, "archive_bits", tuple(self.archive_bits))
+        bits = self.archive_bits
+        if bits is not None and not (isinstance(bits, tuple) and len(bits) == 2 and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in bits)):
+            raise ValueError(f"archive_bits must be None or (key bits, value bits), two positive ints, got {bits!r}")
         for name in ("boundary", "block_size", "samples"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "samples" else 1):
@@ -423,6 +460,16 @@ class AdaptiveThresholds:
     def _nearest(self, boundary: int) -> int:
         return min(range(len(self.grid)), key=lambda i: abs(self.grid[i] - boundary))
 
+    @property
+    def exhausted(self) -> bool:
+        """Converged with no boundary at or below target: even `max_after` misses it."""
+        return self.converged and self._lo == len(self.grid) - 1
+
+    @property
+    def slack(self) -> bool:
+        """Converged at `min_after` with the target met: the tiers could hold fewer bytes."""
+        return self.converged and self._hi == 0
+
     def reset(self) -> None:
         """Forget what was learned and search again from the current boundary."""
         self._lo, self._hi = -1, len(self.grid)
@@ -451,21 +498,92 @@ def apply_boundary(cache: KVCache, boundary: int) -> MethodConfig:
     return new
 
 
-def adapt(cache: KVCache, controller: AdaptiveThresholds) -> int:
+def apply_archive_bits(cache: KVCache, key_bits: int, value_bits: int) -> MethodConfig:
+    """Set the bit widths of a live cache's archive (its method's last tier) for blocks demoted from now on.
+
+    Blocks already in the archive keep their codes and their codecs (`KVPackLayer.retire_codecs`); the next
+    block demoted builds codecs from the new specs. The tracker forgets the tier's error, which changes with
+    the bits. Returns the new method; bits a codec does not offer raise its ValueError (e.g. KIVI: 2 | 4)."""
+    method = cache.method
+    if not method.tiers:
+        raise ValueError(f"method {method.name!r} has no older tier (MethodConfig.tiers is empty): there are no archive bits to set")
+    tier, kind = method.tiers[-1], f"tier{len(method.tiers)}"
+    key, value = (CodecSpec(spec.codec, {**spec.options, "bits": bits}) for spec, bits in ((tier.key, key_bits), (tier.value, value_bits)))
+    if (key, value) == (tier.key, tier.value):
+        return method
+    new = method.with_options(tiers=(*method.tiers[:-1], replace(tier, key=key, value=value)))
+    cache.method = new
+    for layer in cache.layers:
+        if isinstance(layer, KVPackLayer):
+            layer.method = new
+            layer.retire_codecs(kind)
+    if cache.tracker is not None:
+        cache.tracker.forget(kind)
+    return new
+
+
+class AdaptiveArchive:
+    """The archive's bit widths as an outer loop around the boundary's `AdaptiveThresholds` (ADR-004: the hot
+    boundary and the archive bits move toward the target).
+
+    rungs: (key bits, value bits) of the archive, fewest bytes first; `start` indexes the rung in use. When the
+    boundary search converges with every boundary above target (even `max_after` misses it), the archive
+    climbs a rung and that rung becomes the floor; when it converges at `min_after` with the target met, the
+    archive steps down a rung (fewer bytes) unless that rung is below the floor, i.e. already failed. Each move
+    restarts the boundary search. The floor only rises, so the rung settles after at most 2 x len(rungs) moves.
+    """
+
+    def __init__(self, boundary: AdaptiveThresholds, rungs: tuple[tuple[int, int], ...], start: int):
+        if not rungs or not all(isinstance(r, tuple) and len(r) == 2 and all(isinstance(b, int) and b > 0 for b in r) for r in rungs):
+            raise ValueError(f"rungs must be (key bits, value bits) pairs of positive ints, fewest bytes first, got {rungs!r}")
+        if not 0 <= start < len(rungs):
+            raise ValueError(f"start must index rungs (0..{len(rungs) - 1}), got {start!r}")
+        self.boundary, self.rungs, self.rung, self.floor = boundary, tuple(rungs), start, 0
+
+    @property
+    def bits(self) -> tuple[int, int]:
+        return self.rungs[self.rung]
+
+    def thresholds(self) -> Thresholds:
+        """What to persist: the boundary controller's thresholds with the archive bits in use."""
+        return replace(self.boundary.thresholds(), archive_bits=self.bits)
+
+    def step(self) -> bool:
+        """After the boundary controller's latest sample: move a rung if its converged state asks for it."""
+        c = self.boundary
+        if not c.converged:
+            return False
+        if c.exhausted and self.rung + 1 < len(self.rungs):
+            self.rung += 1
+            self.floor = self.rung
+        elif c.slack and self.rung > self.floor:
+            self.rung -= 1
+        else:
+            return False
+        c.reset()
+        return True
+
+
+def adapt(cache: KVCache, controller: AdaptiveThresholds | AdaptiveArchive) -> int:
     """Feed `controller` the decode estimates the cache's tracker recorded since the last call, moving the
-    cache's boundary (`apply_boundary`) whenever the controller does; returns the boundary now in use.
+    cache's boundary (`apply_boundary`) whenever the controller does, and with an `AdaptiveArchive` its
+    archive bits (`apply_archive_bits`); returns the boundary now in use.
 
     Call it between decode steps (e.g. every few tokens). Estimates measured at another boundary than the
-    controller's current one (before a move took effect) are skipped."""
+    controller's current one (before a move took effect), or while a lossy tier had no samples yet, are skipped."""
     if cache.tracker is None:
         raise ValueError("adapt needs a QualityTracker on the cache: KVCache(model, method, tracker=kvpack.QualityTracker(0.1))")
+    archive = controller if isinstance(controller, AdaptiveArchive) else None
+    boundary = archive.boundary if archive else controller
     for estimate in cache.tracker.drain_estimates():
-        if estimate.boundary != controller.boundary:
+        if estimate.boundary != boundary.boundary or not estimate.complete:
             continue
-        before = controller.boundary
-        if controller.observe(estimate.error) != before:
-            apply_boundary(cache, controller.boundary)
-    return controller.boundary
+        before = boundary.boundary
+        if boundary.observe(estimate.error) != before:
+            apply_boundary(cache, boundary.boundary)
+        if archive is not None and archive.step():
+            apply_archive_bits(cache, *archive.bits)
+    return boundary.boundary
 
 
 # -- persistence -----------------------------------------------------------------------------------
