@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.model}: {args.context} tokens of {args.text!r}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         for m in methods:
-            cache, _ = fill_kvpack(model, m, source)
+            cache, _ = fill_kvpack(model, m, source, ids)  # Shard fits its prompt codecs on the prefill's queries
             out["rows"].append(measure(model, cache, Path(tmp), args.io_threads))
             _print_row(out["rows"][-1])
             del cache
