@@ -183,12 +183,13 @@ class _Watch:
     def _pre(self, module, args, kwargs):
         if self._inner:
             return None
-        cache, self._expected = kwargs.get("past_key_values"), None
+        name = _cache_kwarg(kwargs)
+        cache, self._expected = kwargs.get(name), None
         if isinstance(cache, kvpack.KVCache):
             self._inner = True
             try:
                 with torch.no_grad():
-                    self._expected = module(*args, **{**kwargs, "past_key_values": _dynamic_copy(cache, module.config)}).logits
+                    self._expected = module(*args, **{**kwargs, name: _dynamic_copy(cache, module.config)}).logits
             finally:
                 self._inner = False
         return None
@@ -201,8 +202,13 @@ class _Watch:
             self.checked += 1
         self.forwards += 1
         if self.forwards == 1:
-            self.prompt_cache = copy.deepcopy(kwargs["past_key_values"])
+            self.prompt_cache = copy.deepcopy(kwargs[_cache_kwarg(kwargs)])
         return None
+
+
+def _cache_kwarg(kwargs: dict) -> str:
+    """The forward keyword `generate` passes the cache as: `cache` from transformers 5.24, `past_key_values` before."""
+    return "cache" if "cache" in kwargs else "past_key_values"
 
 
 def _generate(model, cache, **kwargs):
