@@ -443,3 +443,20 @@ def test_thresholds_keep_the_archive_bits(tmp_path):
     assert load_thresholds(tmp_path / "t.json", "m") == saved
     with pytest.raises(ValueError, match="archive_bits must be None or"):
         Thresholds(704, 0.0314, 64, archive_bits=(3,))
+
+
+def test_adaptive_bench_moves_the_boundary_on_a_model_and_records_its_path(tmp_path):
+    from kvpack.bench import adaptive as bench
+
+    out = tmp_path / "a.json"
+    # A target far below any codec's error: the boundary climbs; then the archive climbs its rungs.
+    assert bench.main(["--model", "tiny-random", "--method", "tiered:128:tq", "--context", "64", "--tokens", "256", "--targets", "1e-6",
+                       "--fixed", "128", "--start", "128", "--rungs", "3x2,4x4", "--fraction", "1.0", "--threads", "1", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    fixed, adaptive, with_bits = data["rows"]
+    assert fixed["estimates"] > 0 and fixed["late_mean_error"] > 0  # one-token decode steps fed the tracker
+    for row in (adaptive, with_bits):
+        boundaries = [t[1] for t in row["trace"]]
+        assert boundaries[0] >= 128 and boundaries == sorted(boundaries) and row["final_boundary"] > 128  # only up: every error is above 1e-6
+    assert with_bits["trace"][0][4] == [3, 2] and all(t[4] in ([3, 2], [4, 4]) for t in with_bits["trace"])
+    assert data["environment"]["command"].startswith("python -m kvpack.bench.adaptive")
