@@ -152,8 +152,7 @@ def fused_decode(layer: KVPackLayer, query: torch.Tensor, scaling: float) -> tor
             parts.append(part)
             kinds.append(kind)
     for seg in layer.segments:
-        first = lambda seg=seg: layer.positions(seg.start, 1)[:, 0].contiguous()  # noqa: E731
-        parts.append(fused.segment_partial(q, seg, scaling, first) or _codec_partial(layer, seg, query, scaling))
+        parts.append(fused.segment_partial(q, seg, scaling, _first_position(layer, seg)) or _codec_partial(layer, seg, query, scaling))
         kinds.append(seg.kind)
     if layer.tracker is not None:  # attention mass per part, from the partials: the adaptive boundary's live signal
         layer.tracker.on_decode(layer, kinds, parts)
@@ -165,10 +164,15 @@ def _ops_decode(layer: KVPackLayer, q: torch.Tensor, query: torch.Tensor, scalin
     exact = [(kind, k, v) for kind, k, v in (("sink", layer.sink_k, layer.sink_v), ("window", layer.win_k, layer.win_v)) if k.shape[2]]
     parts = [fused.ops_exact_partial(q, k, v, scaling) for _, k, v in exact]
     for seg in layer.segments:
-        parts.append(fused.ops_segment_partial(q, seg, scaling) or _codec_partial(layer, seg, query, scaling))
+        parts.append(fused.ops_segment_partial(q, seg, scaling, _first_position(layer, seg)) or _codec_partial(layer, seg, query, scaling))
     if layer.tracker is not None:
         layer.tracker.on_decode(layer, [kind for kind, _, _ in exact] + [seg.kind for seg in layer.segments], parts)
     return fused.merge_torch(parts)
+
+
+def _first_position(layer: KVPackLayer, seg):
+    """`() -> (b,)` RoPE position of `seg`'s first token, for the kernels of codecs that store keys without RoPE."""
+    return lambda: layer.positions(seg.start, 1)[:, 0].contiguous()
 
 
 def _codec_partial(layer: KVPackLayer, seg, query: torch.Tensor, scaling: float) -> fused.Partial:

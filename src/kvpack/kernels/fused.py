@@ -64,8 +64,13 @@ def ops_exact_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     return cpu_lut.partial_reference((q @ k.float().mT) * scale, v.float())
 
 
-def ops_segment_partial(q: torch.Tensor, seg, scale: float) -> Partial | None:
-    """One segment's partial through the custom ops, on the query's device; None without an op for its codecs."""
+_PCA_TENSORS = ("bitpos", "bits", "qmax", "basis_t", "mean", "inv_freq")  # `PCAKeyCodec.kernel_state()` tensors the op takes
+
+
+def ops_segment_partial(q: torch.Tensor, seg, scale: float, first_position=None) -> Partial | None:
+    """One segment's partial through the custom ops, on the query's device; None without an op for its codecs.
+
+    `first_position()`: as in `segment_partial`."""
     kc, vc = seg.key_codec, seg.value_codec
     kind = (kc.kernel_kind, vc.kernel_kind)
     keys, values = seg.keys, seg.values
@@ -76,6 +81,13 @@ def ops_segment_partial(q: torch.Tensor, seg, scale: float) -> Partial | None:
         m, denom, o = ops.tq_attention(q_rot, keys.codes, keys.norm, cent_k, kc.mse_bits, values.codes, values.norm, cent_v,
                                        vc.mse_bits, q.shape[-1], scale, offset)
         return m, denom, vc.kernel_output(o, denom)
+    if kind == ("pca", "vq") and first_position is not None:
+        ks, vs = kc.kernel_state(), vc.kernel_state()
+        key_state = [kc._on(f"kernel_{name}", ks[name], q.device) for name in _PCA_TENSORS]
+        books = vc._on("kernel_books", vs["books"], q.device)
+        m, denom, o = ops.pca_vq_attention(q, first_position().to(q.device), *key_state, float(ks["rope_scale"]), keys.codes, books,
+                                           vs["bits"], values.indices, values.norm, scale)
+        return m, denom, vc.kernel_output(o)
     if kind == ("int8", "int8"):
         return ops.int8_attention(q, keys.codes, keys.scale, values.codes, values.scale, scale)
     return None

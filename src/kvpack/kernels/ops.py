@@ -10,6 +10,9 @@ Ops (namespace `kvpack`; arguments and results as in `reference.py`, which is th
     kvpack::kivi_attention(Tensor q, Tensor k_codes, Tensor k_scale, Tensor k_zero, SymInt k_bits,
         SymInt k_group, Tensor v_codes, Tensor v_scale, Tensor v_zero, SymInt v_bits, SymInt v_group,
         float scale, Tensor? bias=None, float softcap=0.) -> (Tensor m, Tensor l, Tensor o)
+    kvpack::pca_vq_attention(Tensor q, Tensor pos0, Tensor bitpos, Tensor bits, Tensor qmax, Tensor basis_t,
+        Tensor mean, Tensor inv_freq, float rope_scale, Tensor k_codes, Tensor books, SymInt v_bits,
+        Tensor v_idx, Tensor? v_norm, float scale, Tensor? bias=None, float softcap=0.) -> (Tensor m, Tensor l, Tensor o)
     kvpack::tq_encode(Tensor x, Tensor? mean, Tensor? inv_scale, Tensor signs, Tensor boundaries,
         SymInt bits) -> (Tensor norm, Tensor codes)
     kvpack::kivi_encode(Tensor x, SymInt bits, SymInt group, str axis) -> (Tensor codes, Tensor scale, Tensor zero)
@@ -21,6 +24,7 @@ one Python body that picks an implementation per call from the tensors' device a
     CPU:  `kvpack.kernels.cpu_lut.<op name>` when that C++ kernel exists, takes the op's arguments
           (same parameter names and order as the reference) and `cpu_lut.available()`; else the
           torch reference (a launcher with other parameters is reported once, never called).
+          `cpu_lut.pca_vq_attention` takes the codecs' state dicts, so `_pca_vq_cpu` adapts it.
 
 `KVPACK_BACKEND` (or `set_backend`) overrides the choice; see `Backend`. Backends that cannot serve a
 call fall back with a one-line warning, once per reason. `run_triton` runs a Triton kernel on CPU
@@ -56,7 +60,8 @@ class Backend(str, Enum):
 
 BACKENDS = tuple(b.value for b in Backend)
 _TRITON_MODULES = {"tq_attention": "triton_attention", "int8_attention": "triton_attention",
-                   "kivi_attention": "triton_attention", "tq_encode": "triton_encode", "kivi_encode": "triton_encode"}
+                   "kivi_attention": "triton_attention", "pca_vq_attention": "triton_shard", "tq_encode": "triton_encode",
+                   "kivi_encode": "triton_encode"}
 _override: Backend | None = None
 _warned: set[str] = set()
 
@@ -129,9 +134,24 @@ def _parameters(fn: Callable) -> tuple[str, ...]:
     return tuple(p.name for p in inspect.signature(fn).parameters.values() if p.kind in kinds)
 
 
+def _pca_vq_cpu(q, pos0, bitpos, bits, qmax, basis_t, mean, inv_freq, rope_scale, k_codes, books, v_bits, v_idx, v_norm, scale,
+                bias=None, softcap=0.0):
+    """`cpu_lut.pca_vq_attention` behind the op's flat arguments. The C++ kernel takes no mask or softcap
+    and up to MAX_FUSED_ROWS float32 query rows: other calls take the reference."""
+    if bias is not None or softcap or q.shape[2] > cpu_lut.MAX_FUSED_ROWS or q.dtype != torch.float32:
+        return reference.pca_vq_attention(q, pos0, bitpos, bits, qmax, basis_t, mean, inv_freq, rope_scale, k_codes, books, v_bits,
+                                          v_idx, v_norm, scale, bias, softcap)
+    keys = {"bitpos": bitpos, "bits": bits, "qmax": qmax, "basis_t": basis_t, "mean": mean, "inv_freq": inv_freq,
+            "rope_scale": rope_scale, "row_bytes": k_codes.shape[-1]}
+    return cpu_lut.pca_vq_attention(q, pos0, keys, k_codes, {"books": books, "bits": v_bits}, v_idx, v_norm, scale)
+
+
+_CPU_ADAPTERS = {"pca_vq_attention": _pca_vq_cpu}  # ops whose C++ launcher takes other arguments than the op
+
+
 def _cpu_kernel(op: str) -> Callable | None:
-    """`cpu_lut.<op>` when it exists, takes the op's arguments and the extension builds; else None."""
-    kernel = getattr(cpu_lut, op, None)
+    """`cpu_lut.<op>` (or its adapter) when it exists, takes the op's arguments and the extension builds; else None."""
+    kernel = _CPU_ADAPTERS.get(op) or getattr(cpu_lut, op, None)
     if kernel is None:
         return None
     want = _parameters(getattr(reference, op))
@@ -247,6 +267,36 @@ def kivi_attention(
 @kivi_attention.register_fake
 def _(q, k_codes, k_scale, k_zero, k_bits, k_group, v_codes, v_scale, v_zero, v_bits, v_group, scale, bias=None, softcap=0.0):
     return _partial_fake(q, v_scale.shape[-1] * v_group)
+
+
+@torch.library.custom_op("kvpack::pca_vq_attention", mutates_args=())
+def pca_vq_attention(
+    q: Tensor,
+    pos0: Tensor,
+    bitpos: Tensor,
+    bits: Tensor,
+    qmax: Tensor,
+    basis_t: Tensor,
+    mean: Tensor,
+    inv_freq: Tensor,
+    rope_scale: float,
+    k_codes: Tensor,
+    books: Tensor,
+    v_bits: int,
+    v_idx: Tensor,
+    v_norm: Tensor | None,
+    scale: float,
+    bias: Tensor | None = None,
+    softcap: float = 0.0,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Partial attention over a Shard segment, PCA keys without RoPE and VQ values (`reference.pca_vq_attention`)."""
+    fn = implementation("pca_vq_attention", q.device)
+    return fn(q, pos0, bitpos, bits, qmax, basis_t, mean, inv_freq, rope_scale, k_codes, books, v_bits, v_idx, v_norm, scale, bias, softcap)
+
+
+@pca_vq_attention.register_fake
+def _(q, pos0, bitpos, bits, qmax, basis_t, mean, inv_freq, rope_scale, k_codes, books, v_bits, v_idx, v_norm, scale, bias=None, softcap=0.0):
+    return _partial_fake(q, q.shape[-1])
 
 
 @torch.library.custom_op("kvpack::tq_encode", mutates_args=())

@@ -32,6 +32,7 @@ import torch
 
 from ..primitives.affine import quantize_affine
 from ..primitives.packing import pack_bits, packed_length, unpack_bits
+from ..primitives.rope import apply_rope, rope_cos_sin
 from ..primitives.rotation import is_power_of_two, randomized_hadamard
 
 # Tokens per step of the references. Bounds temporaries to B·H·TOKEN_CHUNK·max(d, R) floats; 512 keeps
@@ -40,6 +41,7 @@ TOKEN_CHUNK = 512
 TQ_BITS = (1, 2, 3, 4)
 KIVI_BITS = (2, 4)
 KIVI_AXES = ("channel", "token")
+VQ_BITS = tuple(range(1, 9))  # VQ index widths: codebooks of 2..256 entries
 _TINY = torch.finfo(torch.float32).tiny
 
 
@@ -131,6 +133,36 @@ def check_kivi_attention(q, k_codes, k_scale, k_zero, k_bits, k_group, v_codes, 
     dv = v_scale.shape[-1] * v_group
     _expect("v_zero", v_zero, (torch.float16,), (b, h, t, v_scale.shape[-1]), dev)
     _expect("v_codes", v_codes, (torch.uint8,), (b, h, t, packed_length(dv, v_bits)), dev)
+    _check_mask(q, t, None, bias, softcap)
+
+
+def check_pca_vq_attention(q, pos0, bitpos, bits, qmax, basis_t, mean, inv_freq, rope_scale, k_codes, books, v_bits, v_idx, v_norm,
+                           bias, softcap) -> None:
+    b, kv, _, d = _check_query("q", q)
+    dev = q.device
+    if d % 2:
+        raise ValueError(f"rotate-half RoPE needs an even head_dim, got {d}")
+    _expect("pos0", pos0, (torch.int64,), (b,), dev)
+    _expect("basis_t", basis_t, (torch.float32,), (None, None, None), dev)
+    groups, rank, gdim = basis_t.shape
+    if groups < 1 or kv % groups or gdim != kv // groups * d:
+        raise ValueError(f"basis_t must be (groups, rank, kv_heads / groups * {d}) with groups dividing the {kv} kv heads, got {tuple(basis_t.shape)}")
+    for name, t, dtype in (("bitpos", bitpos, torch.int32), ("bits", bits, torch.uint8), ("qmax", qmax, torch.float32)):
+        _expect(name, t, (dtype,), (rank,), dev)
+    _expect("mean", mean, (torch.float32,), (groups, gdim), dev)
+    _expect("inv_freq", inv_freq, (torch.float32,), (d // 2,), dev)
+    if not rope_scale > 0:
+        raise ValueError(f"rope_scale (the model's attention scaling) must be > 0, got {rope_scale!r}")
+    _expect("k_codes", k_codes, (torch.uint8,), (b, groups, None, None), dev)
+    t = k_codes.shape[2]
+    _expect("books", books, (torch.float32,), (None, None, None), dev)
+    n_books, _, gsize = books.shape
+    if n_books not in (1, kv) or gsize < 1 or d % gsize:
+        raise ValueError(f"books must be (1 or {kv}, entries, group size dividing {d}), got {tuple(books.shape)}")
+    _check_bits("v_bits", v_bits, VQ_BITS)
+    _expect("v_idx", v_idx, (torch.uint8,), (b, kv, t, packed_length(d // gsize, v_bits)), dev)
+    if v_norm is not None:
+        _expect("v_norm", v_norm, (torch.float16,), (b, kv, t, 1), dev)
     _check_mask(q, t, None, bias, softcap)
 
 
@@ -328,6 +360,76 @@ def kivi_attention(
 
     chunk = max(k_group, TOKEN_CHUNK // k_group * k_group)  # whole key groups per step
     return _online_softmax((b, h, r), dv, k_codes.shape[2], chunk, scores, values, scale, bias, softcap, compute_dtype, q.device)
+
+
+def _pca_levels(codes: torch.Tensor, bitpos: torch.Tensor, bits: torch.Tensor, qmax: torch.Tensor) -> torch.Tensor:
+    """Signed levels `(..., rank)` float32 of packed rows `codes (..., nbytes)` uint8: component r is the
+    `bits[r]`-bit code at bit `bitpos[r]` (LSB-first) minus `qmax[r]`. Read through a 16-bit window,
+    since a code of up to 8 bits may straddle two bytes."""
+    pos = bitpos.long()
+    row = torch.nn.functional.pad(codes.long(), (0, 1))  # a code that ends in the last byte reads a zero byte past it
+    word = row[..., pos // 8] | (row[..., pos // 8 + 1] << 8)
+    return ((word >> (pos % 8)) & ((1 << bits.long()) - 1)).float() - qmax
+
+
+def pca_vq_attention(
+    q: torch.Tensor,
+    pos0: torch.Tensor,
+    bitpos: torch.Tensor,
+    bits: torch.Tensor,
+    qmax: torch.Tensor,
+    basis_t: torch.Tensor,
+    mean: torch.Tensor,
+    inv_freq: torch.Tensor,
+    rope_scale: float,
+    k_codes: torch.Tensor,
+    books: torch.Tensor,
+    v_bits: int,
+    v_idx: torch.Tensor,
+    v_norm: torch.Tensor | None,
+    scale: float,
+    bias: torch.Tensor | None = None,
+    softcap: float = 0.0,
+    *,
+    compute_dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Partial attention over a Shard segment: PCA-coefficient keys stored without RoPE, VQ values.
+
+    q (B, kv, R, d) float: the model's RoPE'd queries grouped by kv head. pos0 (B,) int64: the RoPE
+    position of the segment's first token per batch row (token t sits at pos0 + t). Keys, as
+    `PCAKeyCodec.kernel_state()` gives them: k_codes (B, groups, T, nbytes) uint8 packed rows, where
+    component r is the bits[r]-bit code at bit bitpos[r] (bits (rank,) uint8, bitpos (rank,) int32)
+    and its level is code - qmax[r] (qmax (rank,) float32); basis_t (groups, rank, gdim) float32 with
+    the coefficient scale folded in, mean (groups, gdim) float32, gdim = kv / groups · d (head
+    h = g · kv / groups + j reads columns [j·d, (j+1)·d) of group g): k0(t) = levels(t) @ basis_t + mean,
+    un-RoPEd. inv_freq (d/2,) float32 and rope_scale (the model's
+    attention scaling) re-apply RoPE at pos0 + t in float32, as transformers does:
+    k(t) = RoPE(k0(t)). Values, as `VQValueCodec.kernel_state()`: books (1 or kv, entries, gsize)
+    float32; v_idx (B, kv, T, ceil(d/gsize · v_bits / 8)) uint8, the packed codeword index of each
+    group of gsize channels; v_norm (B, kv, T, 1) float16 or None: v(t) = v_norm[t] · codewords.
+    Returns (m, denom, o) as in the module docstring; o stays in VQ's rotated, channel-normalized
+    space (`VQValueCodec.kernel_output` maps it back).
+    """
+    check_pca_vq_attention(q, pos0, bitpos, bits, qmax, basis_t, mean, inv_freq, rope_scale, k_codes, books, v_bits, v_idx, v_norm,
+                           bias, softcap)
+    b, kv, r, d = q.shape
+    groups, _, gdim = basis_t.shape
+    qc, basis, mu = q.to(compute_dtype), basis_t.to(compute_dtype), mean.to(compute_dtype)[None, :, None]
+    book = books.to(compute_dtype)
+    heads = torch.arange(kv, device=q.device) if books.shape[0] == kv else torch.zeros(kv, dtype=torch.long, device=q.device)
+
+    def scores(t0: int, t1: int) -> torch.Tensor:
+        k0 = _pca_levels(k_codes[:, :, t0:t1], bitpos, bits, qmax).to(compute_dtype) @ basis + mu  # (B, G, C, gdim)
+        k0 = k0.unflatten(-1, (kv // groups, d)).transpose(2, 3).reshape(b, kv, t1 - t0, d)
+        cos, sin = rope_cos_sin(pos0[:, None] + torch.arange(t0, t1, device=q.device), inv_freq, rope_scale)
+        return qc @ apply_rope(k0, cos.to(compute_dtype), sin.to(compute_dtype)).mT
+
+    def values(t0: int, t1: int) -> torch.Tensor:
+        idx = unpack_bits(v_idx[:, :, t0:t1], v_bits, d // books.shape[2]).long()  # (B, kv, C, d / gsize)
+        v = book[heads[None, :, None, None], idx].flatten(-2)  # (B, kv, C, d)
+        return v if v_norm is None else v * v_norm[:, :, t0:t1].to(compute_dtype)
+
+    return _online_softmax((b, kv, r), d, k_codes.shape[2], TOKEN_CHUNK, scores, values, scale, bias, softcap, compute_dtype, q.device)
 
 
 # -- encode ----------------------------------------------------------------------------------------
