@@ -103,10 +103,13 @@ def run_context(model, ids: torch.Tensor, methods: list[str], steps: int, warmup
         last[m] = logits[0, -1].argmax().view(1)
     del source
     times: dict[str, list[float]] = {m: [] for m in methods}
+    sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)  # GPU steps are timed to completion
     for step in range(warmup + steps):
         for m in methods:
+            sync()
             t0 = time.perf_counter()
             out = forward(model, last[m], caches[m])
+            sync()
             dt = time.perf_counter() - t0
             last[m] = out[0, -1].argmax().view(1)
             if step >= warmup:
@@ -157,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=160, help="timed decode steps per method (>= 128 so block flushes fall inside)")
     p.add_argument("--warmup", type=int, default=8)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--device", default="cpu", help="cpu or cuda (the model and every cache on it; CUDA steps run kvpack's Triton ops)")
     p.add_argument("--text", default="news")
     p.add_argument("--json", default="bench/results/decode.json")
     p.add_argument("--plot", default=None, help="PNG: ms per token vs context per method")
@@ -171,7 +175,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads < 1 or args.steps < 1 or any(c < 128 for c in contexts):
         p.error("--threads and --steps must be >= 1 and every context >= 128")
     torch.set_num_threads(args.threads)
+    if args.device not in ("cpu", "cuda") or (args.device == "cuda" and not torch.cuda.is_available()):
+        p.error(f"--device must be cpu or cuda (with a CUDA build of torch and a GPU), got {args.device!r}")
     model, tok = load_model(args.model, dtype=getattr(torch, args.dtype))
+    model.to(args.device)
     import kvpack
 
     kvpack.enable(model)
@@ -180,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.model}: context {ctx}", flush=True)
         ids = token_stream(tok, args.text, ctx)
         rows += run_context(model, ids, methods, args.steps, args.warmup)
-        out = {"environment": environment(PROG), "model": args.model, "dtype": args.dtype, "conditions": args.conditions, "rows": rows}
+        out = {"environment": environment(PROG), "model": args.model, "dtype": args.dtype, "device": args.device, "conditions": args.conditions,
+               "rows": rows}
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(out, indent=1))  # saved after every context
     if args.plot:
