@@ -178,6 +178,10 @@ def test_device_decode_path_through_custom_ops(monkeypatch, backend, method):
     hk, gqa, d = layer.kv_heads, 3, q.shape[-1]
     out = ungroup(attention._ops_decode(layer, group_query(q, hk), q, d**-0.5), hk * gqa)
     torch.testing.assert_close(out, _reference_attention(layer, q, d**-0.5), atol=2e-4, rtol=1e-3)
+    from kvpack.kernels import fused
+
+    for seg in layer.segments:  # every segment went through an op, none through its codec's own scores / weighted_sum
+        assert fused.ops_segment_partial(group_query(q, hk), seg, d**-0.5, attention._first_position(layer, seg)) is not None, seg.kind
     if backend == "triton":  # on CPU tensors, the Triton backend routes a decode step through the ops
         assert ops.implementation("tq_attention", q.device).__module__.endswith("triton_attention")
         torch.testing.assert_close(attention.fused_decode(layer, q, d**-0.5), out)

@@ -92,6 +92,11 @@ class KiviCodec(Codec):
     def token_multiple(self) -> int:
         return self.group if self.config.axis == "channel" else 1
 
+    @property
+    def kernel_kind(self) -> str | None:
+        # The `kvpack::kivi_attention` op reads channel-axis keys and token-axis values whose groups tile the head.
+        return "kivi" if self.pad == 0 else None
+
     def encode(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> KiviPacked:
         self._check(x)
         g, bits = self.group, self.config.bits

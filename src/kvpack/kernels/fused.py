@@ -90,6 +90,9 @@ def ops_segment_partial(q: torch.Tensor, seg, scale: float, first_position=None)
         return m, denom, vc.kernel_output(o)
     if kind == ("int8", "int8"):
         return ops.int8_attention(q, keys.codes, keys.scale, values.codes, values.scale, scale)
+    if kind == ("kivi", "kivi") and kc.config.axis == "channel" and vc.config.axis == "token":
+        return ops.kivi_attention(q, keys.codes, keys.scale, keys.zero, kc.config.bits, kc.group, values.codes, values.scale, values.zero,
+                                  vc.config.bits, vc.group, scale)
     return None
 
 
