@@ -177,7 +177,7 @@ def _save_sliding_layer(layer: DynamicSlidingWindowLayer, prefix: str, tensors: 
     entry = {"type": "sliding", "initialized": bool(layer.is_initialized), "sliding_window": layer.sliding_window}
     if layer.is_initialized:
         tensors[f"{prefix}.keys"], tensors[f"{prefix}.values"] = layer.keys, layer.values
-        entry |= {"cumulative_length": layer.cumulative_length, "record_past": bool(layer.record_past), "dtype": _dtype_name(layer.dtype)}
+        entry |= {"cumulative_length": layer.cumulative_length, "record_past": bool(layer.record_past), "dtype": _dtype_name(layer.keys.dtype)}
     return entry
 
 
