@@ -25,7 +25,7 @@ from kvpack.codecs.qjl import QJLCodec, QJLConfig
 from kvpack.codecs.turboquant import TurboQuantCodec, TurboQuantConfig
 from kvpack.codecs.vq import VQConfig, VQValueCodec
 from kvpack.models import tiny_random_model
-from kvpack.registry import CodecSpec, MethodConfig
+from kvpack.registry import CodecSpec, LayerCodecs, MethodConfig
 
 PROMPT, DECODE = 160, 64  # a prompt past sinks + window + a KIVI group; 64 decoded tokens flush one stream block
 
@@ -230,6 +230,24 @@ def test_custom_method_config_round_trips(tiny, tmp_path):
     assert loaded.method == method and read_header(tmp_path / "c")["method"]["registered"] is False
     _assert_same_state(cache, loaded)
     assert torch.equal(_generate(tiny, seq, loaded, 20)[1], _generate(tiny, seq, cache, 20)[1])
+
+
+def test_per_layer_codecs_round_trip(tiny, tmp_path):
+    """An auto-style method (TurboQuant widths per layer and per K/V) saves and loads bit for bit, and continues identically."""
+    tq = lambda side, bits: getattr(kvpack.get_method(f"turboquant:k{bits}v{bits}"), side)  # noqa: E731
+    method = MethodConfig(
+        "mixed", tq("key", 4), tq("value", 4), layer_codecs=(LayerCodecs((1,), tq("key", 3), tq("value", 2)), LayerCodecs((0,), tq("key", 2), tq("value", 4)))
+    )
+    cache, seq = _filled(tiny, method)
+    save_cache(cache, tmp_path / "c")
+    loaded = load_cache(tmp_path / "c", tiny)
+    assert loaded.method == method and [layer.method for layer in loaded.layers] == [method.for_layer(0), method.for_layer(1)]
+    assert [layer._codecs["stream_value"].config.bits for layer in loaded.layers] == [4, 2]
+    _assert_same_state(cache, loaded)
+    expected, expected_scores = _generate(tiny, seq, cache, DECODE)
+    got, got_scores = _generate(tiny, seq, loaded, DECODE)
+    assert torch.equal(got, expected) and torch.equal(got_scores, expected_scores)
+    _assert_same_state(cache, loaded)
 
 
 def test_token_ids_are_kept_in_the_header(tiny, tmp_path):

@@ -116,6 +116,29 @@ class Tier:
 
 
 @dataclass(frozen=True)
+class LayerCodecs:
+    """Stream codecs for some layers of a method, replacing its `key` / `value` there (mixed widths per layer).
+
+    layers: model layer indices (as `cache.layers` counts them; sliding-window layers keep their own cache and
+    ignore an entry). A method with no prefill codecs also codes these layers' prompts with them.
+    """
+
+    layers: tuple[int, ...]
+    key: CodecSpec
+    value: CodecSpec
+
+    def __post_init__(self):
+        for attr in ("key", "value"):
+            if not isinstance(getattr(self, attr), CodecSpec):
+                raise TypeError(f"LayerCodecs.{attr} must be a CodecSpec, got {type(getattr(self, attr)).__name__}")
+        if not isinstance(self.layers, tuple) or not self.layers:
+            raise ValueError(f"LayerCodecs.layers must be a non-empty tuple of layer indices, got {self.layers!r}")
+        bad = [i for i in self.layers if isinstance(i, bool) or not isinstance(i, int) or i < 0]
+        if bad:
+            raise ValueError(f"LayerCodecs.layers must be non-negative ints (layer indices), got {bad!r} in {self.layers!r}")
+
+
+@dataclass(frozen=True)
 class MethodConfig:
     """Everything a cache needs to know about one compression method.
 
@@ -126,6 +149,9 @@ class MethodConfig:
         it in whole blocks of `block_size`.
     exact_dtype: storage of sinks and window: float16 (the seeds' layout) | bfloat16 | native
         (the model's own dtype: bit-exact, but 2x the bytes for an fp32 model).
+    tiers: older tiers (ADR-004), see `Tier`.
+    layer_codecs: per-layer `key` / `value` overrides (`LayerCodecs`, each layer listed at most once);
+        `for_layer(idx)` is the config a layer runs (`auto:<target>` allocates bits this way, kvpack/auto.py).
     """
 
     name: str
@@ -138,6 +164,7 @@ class MethodConfig:
     block_size: int = 64
     exact_dtype: str = "float16"
     tiers: tuple[Tier, ...] = ()
+    layer_codecs: tuple[LayerCodecs, ...] = ()
 
     def __post_init__(self):
         for attr in ("key", "value", "prefill_key", "prefill_value"):
@@ -155,6 +182,23 @@ class MethodConfig:
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         self._check_tiers()
+        self._check_layer_codecs()
+
+    def _check_layer_codecs(self) -> None:
+        if not isinstance(self.layer_codecs, tuple) or not all(isinstance(e, LayerCodecs) for e in self.layer_codecs):
+            raise TypeError(f"layer_codecs must be a tuple of LayerCodecs, got {self.layer_codecs!r}")
+        listed = [i for entry in self.layer_codecs for i in entry.layers]
+        twice = sorted({i for i in listed if listed.count(i) > 1})
+        if twice:
+            raise ValueError(f"layer_codecs lists layers {twice} more than once; each layer takes one key/value pair")
+
+    def for_layer(self, idx: int) -> MethodConfig:
+        """The config layer `idx` runs: `key` / `value` from its `layer_codecs` entry (if any), no overrides left."""
+        if not self.layer_codecs:
+            return self
+        entry = next((e for e in self.layer_codecs if idx in e.layers), None)
+        codecs = {"key": entry.key, "value": entry.value} if entry is not None else {}
+        return replace(self, layer_codecs=(), **codecs)
 
     def _check_tiers(self) -> None:
         if not isinstance(self.tiers, tuple) or not all(isinstance(t, Tier) for t in self.tiers):
@@ -170,7 +214,8 @@ class MethodConfig:
 
     @property
     def lossless(self) -> bool:
-        return self.key.codec == self.value.codec == "fp16" and self.prefill_key is None
+        overrides = [spec for entry in self.layer_codecs for spec in (entry.key, entry.value)]
+        return all(spec.codec == "fp16" for spec in (self.key, self.value, *overrides)) and self.prefill_key is None
 
     def with_options(self, **changes: Any) -> MethodConfig:
         return replace(self, **changes)

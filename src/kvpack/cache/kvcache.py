@@ -80,7 +80,8 @@ def _on_cpu(model) -> bool:
 
 def _specs(method: MethodConfig) -> list[CodecSpec]:
     tiers = [spec for tier in method.tiers for spec in (tier.key, tier.value)]
-    return [s for s in (method.key, method.value, method.prefill_key, method.prefill_value, *tiers) if s is not None]
+    layers = [spec for entry in method.layer_codecs for spec in (entry.key, entry.value)]
+    return [s for s in (method.key, method.value, method.prefill_key, method.prefill_value, *tiers, *layers) if s is not None]
 
 
 def _uses_positions(method: MethodConfig) -> bool:
@@ -175,7 +176,7 @@ class KVCache(Cache):
                         f"method {self.method.name!r} needs the rotary embedding of layer {idx}, "
                         f"but {type(model).__name__} has no rotary module kvpack can read; use a method without RoPE-free keys (e.g. 'int8')"
                     )
-                layers.append(KVPackLayer(self.method, idx, config, ropes[idx]))
+                layers.append(KVPackLayer(self.method.for_layer(idx), idx, config, ropes[idx]))
             else:
                 raise ValueError(f"layer {idx} of {model_type!r} has type {kind!r}; kvpack handles full and sliding attention only")
         if not any(isinstance(layer, KVPackLayer) for layer in layers):

@@ -505,7 +505,9 @@ class KVPackLayer(CacheLayerMixin):
         self._codecs = codecs
 
     def _spec(self, kind: str, side: str) -> CodecSpec:
-        m = self.method
+        # KVCache hands each layer its own config, but apply_boundary / apply_archive_bits set the cache's whole
+        # method on every layer: resolving here keeps per-layer codecs (MethodConfig.layer_codecs) either way.
+        m = self.method.for_layer(self.layer_idx)
         if kind.startswith("tier"):
             tier = m.tiers[int(kind[4:]) - 1]
             return tier.key if side == "key" else tier.value

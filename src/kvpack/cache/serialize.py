@@ -33,7 +33,7 @@ import torch
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from ..codecs.base import Packed
-from ..registry import CODECS, CodecSpec, MethodConfig, Tier, get_method
+from ..registry import CODECS, CodecSpec, LayerCodecs, MethodConfig, Tier, get_method
 from .kvcache import KVCache, _rope_per_layer, _text_config, layer_kinds
 from .layer import KVPackLayer, Segment
 
@@ -402,6 +402,8 @@ def method_to_json(method: MethodConfig) -> dict:
         value = getattr(method, f.name)
         if f.name == "tiers":
             value = [{"key": _spec_json(t.key), "value": _spec_json(t.value), "after": t.after} for t in value]
+        if f.name == "layer_codecs":
+            value = [{"layers": list(e.layers), "key": _spec_json(e.key), "value": _spec_json(e.value)} for e in value]
         out[f.name] = _spec_json(value) if isinstance(value, CodecSpec) else value
     out["registered"] = _registered(method)
     if method_from_json(out) != method:
@@ -418,6 +420,7 @@ def method_from_json(data: dict) -> MethodConfig:
     kwargs = {k: CodecSpec(v["codec"], dict(v["options"])) if isinstance(v, dict) else v for k, v in data.items() if k in names}
     spec = lambda v: CodecSpec(v["codec"], dict(v["options"]))  # noqa: E731
     kwargs["tiers"] = tuple(Tier(spec(t["key"]), spec(t["value"]), int(t["after"])) for t in data.get("tiers", ()))
+    kwargs["layer_codecs"] = tuple(LayerCodecs(tuple(e["layers"]), spec(e["key"]), spec(e["value"])) for e in data.get("layer_codecs", ()))
     return MethodConfig(**kwargs)
 
 

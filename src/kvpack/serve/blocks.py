@@ -68,15 +68,18 @@ def method_fingerprint(method: MethodConfig) -> str:
     def spec(s: CodecSpec | None) -> list | None:
         return None if s is None else [s.codec, {k: s.options[k] for k in sorted(s.options)}]
 
+    fields = {
+        "key": spec(method.key),
+        "value": spec(method.value),
+        "prefill_key": spec(method.prefill_key),
+        "prefill_value": spec(method.prefill_value),
+        "sink_tokens": method.sink_tokens,
+        "exact_dtype": method.exact_dtype,
+    }
+    if method.layer_codecs:  # only when set, so files written before per-layer codecs existed still match
+        fields["layer_codecs"] = [[list(e.layers), spec(e.key), spec(e.value)] for e in method.layer_codecs]
     return json.dumps(
-        {
-            "key": spec(method.key),
-            "value": spec(method.value),
-            "prefill_key": spec(method.prefill_key),
-            "prefill_value": spec(method.prefill_value),
-            "sink_tokens": method.sink_tokens,
-            "exact_dtype": method.exact_dtype,
-        },
+        fields,
         sort_keys=True,
     )
 
@@ -147,16 +150,14 @@ def encode_kv(
     if start < 0 or keys.shape[1] < 1:
         raise ValueError(f"need start >= 0 and at least one token, got start {start} and {keys.shape[1]} tokens")
     layers, tokens, kv_heads, head_dim = keys.shape
-    kspec, vspec = _specs(method)
     tensors: dict[str, torch.Tensor] = {}
-    counts = None
     exact_dtype = EXACT_DTYPES[method.exact_dtype] or keys.dtype
-    for layer in range(layers):
-        kc, vc = _build(kspec, head_dim, kv_heads, layer), _build(vspec, head_dim, kv_heads, layer)
-        counts = counts or _split(tokens, start, method, math.lcm(kc.token_multiple, vc.token_multiple))
-        head, middle, _ = counts
-        if not middle:
-            break
+    specs = [_specs(method.for_layer(layer)) for layer in range(layers)]  # (key, value) per layer (MethodConfig.layer_codecs)
+    codecs = [tuple(_build(spec, head_dim, kv_heads, layer) for spec in pair) for layer, pair in enumerate(specs)]
+    # One split for every layer (the file's "split"): whole groups of every layer's codecs.
+    head, middle, tail = _split(tokens, start, method, math.lcm(*(c.token_multiple for pair in codecs for c in pair))) if layers else (0, 0, 0)
+    for layer in range(layers) if middle else ():
+        (kspec, vspec), (kc, vc) = specs[layer], codecs[layer]
         for side, codec, spec, x in (("k", kc, kspec, keys[layer]), ("v", vc, vspec, values[layer])):
             part = x[head : head + middle].permute(1, 0, 2).unsqueeze(0)  # (1, kv_heads, middle, head_dim): a codec's layout
             codec.fit(part)
@@ -170,7 +171,6 @@ def encode_kv(
                     )  # safetensors refuses shared storage
             for name, state in codec.state_dict().items():
                 tensors[f"L{layer}.{side}.state.{name}"] = state.detach().cpu().contiguous()
-    head, middle, tail = counts or (0, 0, 0)
     for side, x in (("k", keys), ("v", values)):
         for name, part in (("head", x[:, :head]), ("tail", x[:, head + middle :])):
             if part.shape[1]:
@@ -229,13 +229,13 @@ def decode_kv(
     layers, tokens, kv_heads, head_dim = (int(metadata[k]) for k in SHAPE_FIELDS[:4])
     head, middle, tail = json.loads(metadata["split"])
     dtype = DTYPES[metadata["dtype"]]
-    kspec, vspec = _specs(method)
     out = {}
-    for side, spec in (("k", kspec), ("v", vspec)):
+    for side in ("k", "v"):
         parts = [tensors[f"head.{side}"].to(dtype)] if head else []
         if middle:
             rows = []
             for layer in range(layers):
+                spec = _specs(method.for_layer(layer))[side == "v"]
                 codec = _build(spec, head_dim, kv_heads, layer)
                 prefix = f"L{layer}.{side}.state."
                 codec.load_state_dict({k.removeprefix(prefix): t for k, t in tensors.items() if k.startswith(prefix)})
