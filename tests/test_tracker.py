@@ -460,3 +460,21 @@ def test_adaptive_bench_moves_the_boundary_on_a_model_and_records_its_path(tmp_p
         assert boundaries[0] >= 128 and boundaries == sorted(boundaries) and row["final_boundary"] > 128  # only up: every error is above 1e-6
     assert with_bits["trace"][0][4] == [3, 2] and all(t[4] in ([3, 2], [4, 4]) for t in with_bits["trace"])
     assert data["environment"]["command"].startswith("python -m kvpack.bench.adaptive")
+
+
+def test_boundary_follows_a_growing_context_and_never_searches_past_it():
+    # A conversation: the context grows while the controller learns. The archive holds the tokens older than the
+    # boundary, so the error grows with the archived share; the right boundary is 70% of the context, rising with it.
+    def curve(boundary: int, tokens: int) -> float:
+        return 0.05 + 0.1 * max(0, tokens - boundary) / tokens
+
+    config = AdaptiveConfig(0.08, block_size=64, min_after=128, max_after=4096)
+    for seed in range(10):
+        controller, rng = AdaptiveThresholds(config, 512), random.Random(seed)
+        for step in range(6000):
+            tokens = 200 + step // 3
+            cap = next(b for b in controller.grid if b >= tokens)
+            assert controller.limit(tokens) <= cap  # a boundary past the context archives nothing: never searched
+            controller.observe(max(0.0, curve(controller.boundary, tokens) * (1 + 0.1 * rng.gauss(0, 1))))
+        right = next(b for b in controller.grid if curve(b, tokens) <= 0.08)
+        assert right - 128 <= controller.boundary <= right + 64, (seed, controller.boundary, right)

@@ -392,6 +392,7 @@ class AdaptiveThresholds:
         self.config = config
         self.grid = list(range(config.min_after, config.max_after + 1, config.block_size))
         self._lo, self._hi = -1, len(self.grid)  # largest index known above target, smallest known at or below
+        self._top = len(self.grid) - 1  # highest index that can differ from a higher one (see `limit`)
         self._index = self._nearest(initial if initial is not None else config.min_after)
         self.samples = 0
         self._stats = _Running()
@@ -419,7 +420,23 @@ class AdaptiveThresholds:
     @property
     def converged(self) -> bool:
         """The bracket closed: the boundary below this one is known above target (or this is min/max_after)."""
-        return self._hi - self._lo <= 1
+        return self._upper - self._lo <= 1
+
+    @property
+    def _upper(self) -> int:
+        """The bracket's upper end: the smallest index known at or below target, or one past the top."""
+        return min(self._hi, self._top + 1)
+
+    def limit(self, tokens: int) -> int:
+        """Tell the search how many tokens the cache holds; returns the boundary to use.
+
+        A boundary at or past the context archives nothing, so all such boundaries measure the same: the
+        first of them is the top of the search until the context grows past it (then the search may go on
+        upward). Without this, a search early in a conversation wanders over boundaries it cannot tell apart."""
+        self._top = next((i for i, b in enumerate(self.grid) if b >= tokens), len(self.grid) - 1)
+        if self._index > self._top:
+            self._index = self._top  # the same archive, so the samples so far still count
+        return self.boundary
 
     def observe(self, error: float) -> int:
         """Add one error sample measured at the current boundary; returns the boundary to use next."""
@@ -455,15 +472,17 @@ class AdaptiveThresholds:
             self._lo = self._index
         else:
             self._hi = self._index
-        self._index = (self._lo + self._hi) // 2 if self._hi - self._lo > 1 else min(self._hi, len(self.grid) - 1)
+        upper = self._upper
+        self._index = (self._lo + upper) // 2 if upper - self._lo > 1 else min(upper, self._top)
 
     def _nearest(self, boundary: int) -> int:
         return min(range(len(self.grid)), key=lambda i: abs(self.grid[i] - boundary))
 
     @property
     def exhausted(self) -> bool:
-        """Converged with no boundary at or below target: even `max_after` misses it."""
-        return self.converged and self._lo == len(self.grid) - 1
+        """Converged with no boundary at or below target: even `max_after` (or, in a shorter context, archiving
+        nothing) misses it."""
+        return self.converged and self._lo >= self._top
 
     @property
     def slack(self) -> bool:
@@ -575,6 +594,8 @@ def adapt(cache: KVCache, controller: AdaptiveThresholds | AdaptiveArchive) -> i
         raise ValueError("adapt needs a QualityTracker on the cache: KVCache(model, method, tracker=kvpack.QualityTracker(0.1))")
     archive = controller if isinstance(controller, AdaptiveArchive) else None
     boundary = archive.boundary if archive else controller
+    if cache.method.tiers[0].after != boundary.limit(cache.get_seq_length()):
+        apply_boundary(cache, boundary.boundary)
     for estimate in cache.tracker.drain_estimates():
         if estimate.boundary != boundary.boundary or not estimate.complete:
             continue
