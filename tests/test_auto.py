@@ -1,26 +1,47 @@
-"""Per-layer codecs in MethodConfig (what `auto:<target>` builds): validation, the layer's config, the data path."""
+"""`auto:<target>`: per-layer codecs in MethodConfig, the byte-optimal allocator against brute force, profiles that
+round-trip and refuse a damaged file or another model, and a calibration checked against real prefills."""
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
+import random
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import kvpack
+from kvpack import auto
+from kvpack.cli import main
 from kvpack.codecs.turboquant import TurboQuantCodec
+from kvpack.eval.generate import forward
 from kvpack.models import tiny_random_model
-from kvpack.registry import CodecSpec, LayerCodecs, MethodConfig, get_method
+from kvpack.registry import CodecSpec, LayerCodecs, MethodConfig, get_method, list_methods
 from kvpack.serve import blocks
+from kvpack.text import token_stream
 
 TQ2 = CodecSpec("turboquant", {"bits": 2, "center": True})
 INT8 = CodecSpec("int8")
+SMALL = auto.CalibrationConfig(prefix=160, tokens=48)  # past sinks + window + a block; seconds on the tiny model
 
 
 @pytest.fixture(scope="module")
 def tiny():
     model, tokenizer = tiny_random_model(seed=0)
     return model, tokenizer
+
+
+@pytest.fixture(scope="module")
+def profile(tiny):
+    return auto.calibrate(*tiny, SMALL, progress=False)
+
+
+@pytest.fixture
+def profiles(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVPACK_PROFILE_DIR", str(tmp_path))
+    return tmp_path
 
 
 # -- per-layer codecs --------------------------------------------------------------------------------------------
@@ -79,3 +100,223 @@ def test_block_files_code_each_layer_with_its_own_codecs():
     assert torch.equal(keys[1, head : head + middle], codec.decode(codec.encode(part))[0].permute(1, 0, 2))
     with pytest.raises(blocks.BlockMismatch):
         blocks.decode_kv(tensors, metadata, MethodConfig("m", INT8, INT8))
+
+
+# -- allocation ----------------------------------------------------------------------------------------------------
+def _brute_force(costs, losses, budget):
+    """(cost, loss) of the cheapest allocation within the budget (ties: least loss), or None."""
+    best = None
+    for picks in itertools.product(*(range(len(row)) for row in costs)):
+        cost = sum(costs[i][j] for i, j in enumerate(picks))
+        loss = 0.0
+        for i, j in enumerate(picks):
+            loss += losses[i][j]
+        if loss <= budget and (best is None or (cost, loss) < best):
+            best = (cost, loss)
+    return best
+
+
+def _table(rng: random.Random, items: int, realistic: bool):
+    if realistic:  # 2/3/4-bit TurboQuant block bytes, KL falling about 4x per bit
+        costs = [[2304, 3328, 4352] for _ in range(items)]
+        losses = [[s, s / rng.uniform(3, 5), s / rng.uniform(10, 20)] for s in (rng.lognormvariate(-6, 1.5) for _ in range(items))]
+    else:
+        costs = [[rng.randrange(0, 60) for _ in range(3)] for _ in range(items)]
+        losses = [[rng.random() for _ in range(3)] for _ in range(items)]
+    return costs, losses
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_allocation_is_the_brute_force_optimum(seed):
+    rng = random.Random(seed)
+    costs, losses = _table(rng, 6, realistic=seed % 2 == 0)
+    floor, ceiling = sum(min(r) for r in losses), sum(max(r) for r in losses)
+    for budget in [floor * 0.99, floor, *(rng.uniform(floor, ceiling) for _ in range(6)), ceiling]:
+        picks = auto.allocate(costs, losses, budget)
+        expected = _brute_force(costs, losses, budget)
+        if expected is None:
+            assert picks is None
+            continue
+        loss = 0.0
+        for i, j in enumerate(picks):
+            loss += losses[i][j]
+        assert (sum(costs[i][j] for i, j in enumerate(picks)), loss) == expected
+
+
+def test_allocation_refuses_fractional_costs():
+    with pytest.raises(ValueError, match="non-negative integers"):
+        auto.allocate([[1.5, 2]], [[0.1, 0.0]], 1.0)
+
+
+def _synthetic_profile(layers: int = 8, seed: int = 0) -> dict:
+    rng = random.Random(seed)
+    records = []
+    for layer, side in itertools.product(range(layers), auto.SIDES):
+        s = rng.lognormvariate(-7, 1.5)
+        records += [{"layer": layer, "side": side, "bits": b, "kl": s * 4.0 ** (2 - b)} for b in auto.BITS]
+    codecs = {side: {str(b): {"codec": spec.codec, "options": spec.options} for b in auto.BITS for spec in [auto.codec_spec(side, b)]} for side in auto.SIDES}
+    return {
+        "format": auto.PROFILE_FORMAT, "version": auto.PROFILE_VERSION, "layers": list(range(layers)), "bits": list(auto.BITS),
+        "head_dim": 64, "kv_heads": 2, "codecs": codecs, "block_bytes": {side: {"2": 2304, "3": 3328, "4": 4352} for side in auto.SIDES},
+        "sensitivity": records, "fingerprint": {},
+    }
+
+
+def test_looser_targets_never_cost_more_bytes_and_stay_within_budget():
+    profile = _synthetic_profile()
+    floor = sum(r["kl"] for r in profile["sensitivity"] if r["bits"] == 4)
+    previous = math.inf
+    for target in [math.expm1(floor) * f for f in (1.01, 1.2, 1.5, 2, 3, 5, 8, 16, 64)] + [0.5]:
+        info = auto.summary(auto.method_from_profile(profile, target), profile)
+        assert info["predicted_kl"] <= math.log1p(target) and info["compressed_bytes_per_token"] <= previous
+        previous = info["compressed_bytes_per_token"]
+    assert info["mean_bits"] == 2.0  # 50%: everything at the narrowest width
+
+
+def test_method_from_profile_mixes_widths_and_an_impossible_target_says_the_floor():
+    profile = _synthetic_profile()
+    method = auto.method_from_profile(profile, 0.01)
+    widths = {(layer, side): getattr(method.for_layer(layer), side).options["bits"] for layer in range(8) for side in auto.SIDES}
+    assert len(set(widths.values())) > 1 and method.name == "auto:1%"
+    assert method.for_layer(5).key == auto.codec_spec("key", widths[(5, "key")])  # the fixed methods' codecs
+    with pytest.raises(ValueError, match=r"4 bits on every layer is predicted at .* use a looser target"):
+        auto.method_from_profile(profile, 1e-6)
+
+
+def test_a_wider_code_is_never_charged_less_kl():
+    profile = _synthetic_profile()
+    row = [r for r in profile["sensitivity"] if (r["layer"], r["side"]) == (3, "key")]
+    row[1]["kl"] = 10 * row[0]["kl"]  # 3 bits measured worse than 2 (a heavy token)
+    assert auto.sensitivities(profile)[(3, "key")] == [row[1]["kl"], row[1]["kl"], row[2]["kl"]]
+    for target in (0.005, 0.01, 0.02):
+        bits = auto.method_from_profile(profile, target).for_layer(3).key.options["bits"]
+        info = auto.summary(auto.method_from_profile(profile, target), profile)
+        assert info["predicted_kl"] <= math.log1p(target) and (bits != 2 or row[1]["kl"] <= math.log1p(target))
+
+
+@pytest.mark.parametrize("arg, value", [("1%", 0.01), ("0.5%", 0.005), ("2%", 0.02), ("4%", 0.04), (" 1.5% ", 0.015)])
+def test_targets_parse(arg, value):
+    assert auto.parse_target(arg) == pytest.approx(value)
+
+
+@pytest.mark.parametrize("arg", ["1", "abc", "0%", "-1%", "1%%", "", "101%", "1 %", "0.01"])
+def test_bad_targets_name_the_form(arg):
+    with pytest.raises(ValueError, match=r"auto:<number>%"):
+        auto.parse_target(arg)
+
+
+def test_auto_needs_the_model_and_is_not_in_the_test_matrix():
+    with pytest.raises(ValueError, match=r"needs the model: pass it to kvpack.KVCache\(model, 'auto:1%'\)"):
+        get_method("auto:1%")
+    with pytest.raises(ValueError, match=r"auto:<number>%"):
+        get_method("auto:fast")
+    assert not any(m.startswith("auto") for m in list_methods())
+
+
+# -- profiles -------------------------------------------------------------------------------------------------------
+def test_calibration_table_is_finite_non_negative_and_counts_real_bytes(profile, tiny):
+    kl = {(r["layer"], r["side"], r["bits"]): r["kl"] for r in profile["sensitivity"]}
+    assert len(kl) == 2 * 2 * 3 and all(math.isfinite(v) and v >= 0 for v in kl.values())
+    mean = {b: sum(v for (_, _, bits), v in kl.items() if bits == b) / 4 for b in auto.BITS}
+    assert mean[2] >= mean[3] >= mean[4]
+    # 64 tokens x 2 kv heads x (fp16 norm + 64 coordinates at b bits)
+    assert profile["block_bytes"] == {side: {str(b): 64 * 2 * (2 + 64 * b // 8) for b in auto.BITS} for side in auto.SIDES}
+    assert profile["fingerprint"] == auto.fingerprint(tiny[0]) and profile["calibration"]["text"] == "pydoc"
+
+
+@torch.no_grad()
+def test_calibration_kl_is_what_real_prefills_give(profile, tiny):
+    """The shortcut (one prefill, its K/V stored by every probe cache) against a prefill through each probe cache."""
+    model, tokenizer = tiny
+    ids = token_stream(tokenizer, "pydoc", SMALL.prefix + SMALL.tokens + 1)
+
+    def logp(method):
+        cache = kvpack.KVCache(model, method)
+        forward(model, ids[: SMALL.prefix], cache)
+        return F.log_softmax(forward(model, ids[SMALL.prefix : -1], cache, last_only=False)[0].double(), -1)
+
+    ref = logp(auto._probe(None))
+    for record in profile["sensitivity"]:
+        if record["side"] == "value" and record["bits"] in (2, 4):  # the tiny random model reads its values, not keys
+            probe = logp(auto._probe(record["layer"], "value", auto.codec_spec("value", record["bits"])))
+            kl = F.kl_div(probe, ref, log_target=True, reduction="none").sum(-1).mean().item()
+            assert kl == pytest.approx(record["kl"], rel=1e-6)
+
+
+def test_profile_round_trips_and_kvcache_resolves_auto(tiny, profile, profiles):
+    model, _ = tiny
+    path = auto.save_profile(profile, auto.profile_path(model))
+    assert path.parent == profiles and auto.load_profile(model) == json.loads(json.dumps(profile))
+    cache = kvpack.KVCache(model, "auto:2%")
+    assert cache.method == auto.method_from_profile(profile, 0.02)
+    assert [layer.method for layer in cache.layers] == [cache.method.for_layer(i) for i in range(2)]
+
+
+def test_missing_profile_names_the_command(profiles):
+    model, _ = tiny_random_model(seed=0)
+    model.config._name_or_path = "/somewhere/smollm2-135m"
+    with pytest.raises(ValueError, match=rf"no calibration profile for this model at {profiles}/smollm2-135m.json; .*: kvpack calibrate --model smollm2-135m$"):
+        kvpack.KVCache(model, "auto:1%")
+    model.config._name_or_path = "/models/my-llama"
+    with pytest.raises(ValueError, match="kvpack calibrate --model /models/my-llama$"):
+        auto.auto_method(model, "auto:1%")
+
+
+@pytest.mark.parametrize(
+    "damage, match",
+    [
+        (lambda text, p: text[: len(text) // 2], "not a readable kvpack calibration profile"),
+        (lambda text, p: json.dumps({**p, "format": "x"}), "not a kvpack calibration profile"),
+        (lambda text, p: json.dumps({**p, "version": 99}), "profile version 99"),
+        (lambda text, p: json.dumps({**p, "sensitivity": p["sensitivity"][1:]}), "damaged calibration profile"),
+        (lambda text, p: text.replace('"kl": ', '"kl": NaN, "was": ', 1), "damaged calibration profile"),
+        (lambda text, p: json.dumps({**p, "block_bytes": {}}), "damaged calibration profile"),
+    ],
+    ids=["truncated", "format", "version", "missing-probe", "nan-kl", "no-bytes"],
+)
+def test_damaged_profile_is_refused_naming_the_file(tiny, profile, tmp_path, damage, match):
+    path = auto.save_profile(profile, tmp_path / "p.json")
+    path.write_text(damage(path.read_text(), profile))
+    with pytest.raises(auto.ProfileError, match=rf"{path}.*{match}.*make it again with"):
+        auto.auto_method(tiny[0], "auto:1%", profile=path)
+
+
+def test_profile_of_another_model_is_refused(tiny, profile, tmp_path):
+    path = auto.save_profile(profile, tmp_path / "p.json")
+    other, _ = tiny_random_model(seed=1)  # same architecture, other weights
+    with pytest.raises(auto.ProfileError, match=rf"{path} was calibrated for another model \(it differs in: weights\)"):
+        auto.auto_method(other, "auto:1%", profile=path)
+    assert auto.auto_method(tiny_random_model(seed=0, dtype=torch.bfloat16)[0], "auto:1%", profile=path).layer_codecs  # same weights
+
+
+def test_kvpack_attention_state_survives_calibration(tiny):
+    model, tokenizer = tiny
+    kvpack.enable(model)
+    try:
+        auto.calibrate(model, tokenizer, auto.CalibrationConfig(prefix=128, tokens=8, bits=(4,)), progress=False)
+        assert model.config._attn_implementation == "kvpack"
+    finally:
+        kvpack.disable(model)
+    assert model.config._attn_implementation != "kvpack"
+
+
+# -- command line -------------------------------------------------------------------------------------------------------
+def test_cli_lists_auto_and_checks_targets_before_loading(capsys):
+    assert main(["methods"]) == 0
+    assert "auto:<target>" in capsys.readouterr().out
+    assert main(["compare", "--methods", "auto:lots", "--model", "tiny-random"]) == 2
+    assert "auto:<number>%" in capsys.readouterr().err
+    assert main(["calibrate", "--out", "profile.txt"]) == 2
+    assert "--out profile.txt: unsupported file type '.txt'" in capsys.readouterr().err
+
+
+def test_cli_compare_without_a_profile_names_the_command(profiles, capsys):
+    assert main(["eval", "--method", "auto:1%", "--model", "tiny-random", "--no-needle"]) == 2
+    assert "no calibration profile for this model" in capsys.readouterr().err
+
+
+def test_cli_calibrate_writes_the_profile_auto_reads(profiles, capsys):
+    assert main(["calibrate", "--model", "tiny-random", "--prefix", "128", "--tokens", "8", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "auto:1%" in out and len(list(profiles.glob("*.json"))) == 1
+    assert kvpack.KVCache(tiny_random_model(seed=0)[0], "auto:4%").method.name == "auto:4%"

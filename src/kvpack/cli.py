@@ -1,4 +1,4 @@
-"""`kvpack` command line: demo, eval, compare (plus `models` and `methods` listings).
+"""`kvpack` command line: demo, eval, compare, calibrate (plus `models` and `methods` listings).
 
 Options come from flags or a TOML file (`--config run.toml`): top-level keys apply to every
 command, a `[compare]` / `[eval]` / `[demo]` table to that command only; flags win over the file.
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -78,6 +79,18 @@ def build_parser() -> argparse.ArgumentParser:
     _common(cmp_)
     cmp_.add_argument("--methods", default="fp16,kivi:2,turboquant:k3v3,hf-quanto:4,hf-hqq:4,dynamic", help="comma-separated")
     cmp_.add_argument("--plot", help="PNG path: Pareto plot and needle heatmaps")
+    cal = sub.add_parser("calibrate", help="measure a model's per-layer K/V sensitivity once, for the auto:<target> methods")
+    cal.add_argument("--config", help="TOML file with defaults for these options")
+    cal.add_argument("--model", default=DEFAULT_MODEL, help=f"registry name {list_models()}, a local HF directory or a .gguf file")
+    cal.add_argument("--out", help="profile path (default: <model>.json in $KVPACK_PROFILE_DIR, else ~/.cache/kvpack/profiles, "
+                                   "where auto:<target> looks)")
+    cal.add_argument("--text", default="pydoc", choices=["pydoc", "shakespeare", "news"], help="calibration text (news is the evaluation's)")
+    cal.add_argument("--prefix", type=int, default=1024, help="prompt tokens in each probe cache")
+    cal.add_argument("--tokens", type=int, default=256, help="tokens scored through each probe cache")
+    cal.add_argument("--offset", type=int, default=0, help="first token of the text used")
+    cal.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="model weights and activations")
+    cal.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch default)")
+    cal.add_argument("--quiet", action="store_true", help="no progress bar")
     sub.add_parser("models", help="list registry models")
     sub.add_parser("methods", help="list kvpack methods and peers")
     return parser
@@ -122,9 +135,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             subparser.error(f"unknown keys in {args.config}: {unknown}")
         subparser.set_defaults(**{k.replace("-", "_"): v for k, v in values.items()})
         args = parser.parse_args(argv)
-    if args.command in ("demo", "eval", "compare"):
+    checks = {"demo": validate, "eval": validate, "compare": validate, "calibrate": validate_calibrate}
+    if args.command in checks:
         try:
-            validate(args, _subparser(parser, args.command))
+            checks[args.command](args, _subparser(parser, args.command))
         except (ValueError, MissingDependency) as err:
             _subparser(parser, args.command).error(str(err))
     return args
@@ -161,6 +175,11 @@ def check_method(name: str) -> None:
     if is_peer(name):
         if name not in PEERS:
             raise ValueError(f"unknown peer {name!r}; peers: {', '.join(PEERS)}")
+        return
+    if name.partition(":")[0] == "auto":  # its profile is checked once the model is loaded (it is per model)
+        from .auto import parse_target
+
+        parse_target(name.partition(":")[2])
         return
     if name.partition(":")[0] not in METHODS:
         raise ValueError(f"unknown method {name!r}; kvpack methods: {', '.join(list_methods())}; peers: {', '.join(PEERS)}")
@@ -235,6 +254,20 @@ def validate(args, subparser: argparse.ArgumentParser) -> None:
         _check_writable("--plot", args.plot, tuple("." + ext for ext in FigureCanvasBase.get_supported_filetypes()))
 
 
+def validate_calibrate(args, subparser: argparse.ArgumentParser) -> None:
+    """Check every argument of calibrate before the model loads."""
+    from .auto import CalibrationConfig
+
+    _check_types(args, subparser)
+    if args.threads < 0:
+        raise ValueError(f"--threads must be >= 0, got {args.threads}")
+    CalibrationConfig(text=args.text, prefix=args.prefix, tokens=args.tokens, offset=args.offset)
+    _check_model(args.model)
+    require("tqdm.auto", "kvpack calibrate (progress bar)")
+    if args.out:
+        _check_writable("--out", args.out, (".json",))
+
+
 def _eval_config(args, methods: list[str]):
     from .eval.runner import EvalConfig
 
@@ -270,9 +303,19 @@ def _run(args, methods: list[str]) -> tuple[object, list[dict]]:
     start = time.perf_counter()
     model, tokenizer = _load(cfg)
     print(f"loaded {cfg.model} in {time.perf_counter() - start:.1f} s; {cfg.context}-token context, {cfg.text} text, {cfg.dtype}", flush=True)
+    _check_profiles(model, methods)
     # Rows are saved after every method, so an interrupted comparison keeps what it measured.
     save = (lambda rows: _write_json(args, cfg, rows, quiet=True)) if args.json else None
     return cfg, run(model, tokenizer, cfg, progress=not args.quiet, log=lambda s: print(s, flush=True), on_row=save)
+
+
+def _check_profiles(model, methods: list[str]) -> None:
+    """auto:<target> methods resolve now (ValueError naming `kvpack calibrate ...`), not after the baseline has run."""
+    from .auto import auto_method
+
+    for name in methods:
+        if name.partition(":")[0] == "auto":
+            auto_method(model, name)
 
 
 def _write_json(args: argparse.Namespace, cfg, rows: list[dict], quiet: bool = False) -> None:
@@ -348,6 +391,36 @@ def cmd_compare(args) -> int:
     return 1 if failed else 0
 
 
+def cmd_calibrate(args) -> int:
+    import torch
+
+    from . import auto, models
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    with install_hint(f"loading {args.model}"):
+        model, tokenizer = models.load_model(args.model, dtype=getattr(torch, args.dtype))
+    config = auto.CalibrationConfig(text=args.text, prefix=args.prefix, tokens=args.tokens, offset=args.offset)
+    probes = len(config.bits) * len(auto.SIDES)
+    print(f"calibrating {args.model}: {probes} probes per full-attention layer, {config.prefix}-token {config.text} prompt, "
+          f"{config.tokens} scored tokens", flush=True)
+    profile = auto.calibrate(model, tokenizer, config, progress=not args.quiet)
+    path = auto.save_profile(profile, args.out or auto.profile_path(model))
+    print(f"wrote {path} in {profile['calibration']['seconds']:.0f} s")
+    for target in (0.005, 0.01, 0.02, 0.04):
+        try:
+            info = auto.summary(auto.method_from_profile(profile, target), profile)
+        except ValueError as err:
+            print(f"  {auto.target_name(target):10s} {err}")
+            continue
+        print(f"  {auto.target_name(target):10s} {info['mean_bits']:.2f} bits on average, compressed tokens {info['compressed_ratio_vs_fp16']:.2f}x "
+              f"smaller than fp16, predicted +{100 * math.expm1(info['predicted_kl']):.2f}% perplexity")
+    if args.out and Path(args.out).resolve() != auto.profile_path(model).resolve():
+        print(f"auto:<target> reads {auto.profile_path(model)}; for this file set KVPACK_PROFILE_DIR={Path(args.out).parent} (and name it "
+              f"{auto.profile_path(model).name}) or pass kvpack.auto.auto_method(model, 'auto:1%', profile={str(args.out)!r}) to KVCache")
+    return 0
+
+
 def cmd_models(_args) -> int:
     from .models import MODELS
 
@@ -361,11 +434,13 @@ def cmd_methods(_args) -> int:
     from .registry import DEFAULT_METHOD, list_methods
 
     print("kvpack methods: " + ", ".join(m + (" (default)" if m == DEFAULT_METHOD else "") for m in list_methods()))
+    print("                auto:<target>, e.g. auto:1%: per-layer TurboQuant bits for a perplexity target, from the model's "
+          "calibration profile (make it once: kvpack calibrate --model NAME)")
     print("peers:          " + ", ".join(PEERS))
     return 0
 
 
-COMMANDS = {"demo": cmd_demo, "eval": cmd_eval, "compare": cmd_compare, "models": cmd_models, "methods": cmd_methods}
+COMMANDS = {"demo": cmd_demo, "eval": cmd_eval, "compare": cmd_compare, "calibrate": cmd_calibrate, "models": cmd_models, "methods": cmd_methods}
 
 
 def main(argv: list[str] | None = None) -> int:

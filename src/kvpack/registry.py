@@ -352,6 +352,19 @@ def _tiered(arg: str) -> MethodConfig:
     return MethodConfig(f"tiered:{after}", *warm, tiers=(archive,))
 
 
+def _auto(arg: str) -> MethodConfig:
+    from .auto import parse_target
+
+    parse_target(arg)  # a malformed target fails with the form it takes
+    raise ValueError(
+        f"auto:{arg} allocates bits from the model's calibration profile, so it needs the model: pass it to "
+        f"kvpack.KVCache(model, 'auto:{arg}'), or build the config with kvpack.auto.auto_method(model, 'auto:{arg}')"
+    )
+
+
+# Registered by hand, not with `@method`: list_methods() is the test matrix, and it has no calibration profile.
+METHODS["auto"] = _auto
+
 DEFAULT_METHOD = "turboquant:k3v2"
 
 

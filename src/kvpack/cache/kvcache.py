@@ -84,6 +84,15 @@ def _specs(method: MethodConfig) -> list[CodecSpec]:
     return [s for s in (method.key, method.value, method.prefill_key, method.prefill_value, *tiers, *layers) if s is not None]
 
 
+def _resolve(method: str | MethodConfig, model_or_config) -> MethodConfig:
+    """A registry name or config; `auto:<target>` reads the model's calibration profile (kvpack/auto.py)."""
+    if isinstance(method, str) and method.partition(":")[0] == "auto":
+        from ..auto import auto_method
+
+        return auto_method(model_or_config, method)
+    return get_method(method)
+
+
 def _uses_positions(method: MethodConfig) -> bool:
     return any(spec.codec_class.uses_positions for spec in _specs(method))
 
@@ -158,7 +167,7 @@ class KVCache(Cache):
                 f"kvpack has not been verified on model type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}. "
                 "Pass allow_untested=True to try it (its attention must apply RoPE before calling cache.update)."
             )
-        self.method = get_method(method)
+        self.method = _resolve(method, model_or_config)
         self.model_config = config
         model = model_or_config if hasattr(model_or_config, "config") else None
         kinds = layer_kinds(text)

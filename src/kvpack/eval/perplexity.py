@@ -47,8 +47,10 @@ def perplexity(
     n_score: int | None = None,
     after_prefill: Callable[[object], None] | None = None,
     progress: bool = True,
+    on_logits: Callable[[torch.Tensor], None] | None = None,
 ) -> PerplexityResult:
-    """ids: [T] token ids with T >= prefix + n_score + 1. `after_prefill(cache)` runs once the prefix is in."""
+    """ids: [T] token ids with T >= prefix + n_score + 1. `after_prefill(cache)` runs once the prefix is in;
+    `on_logits(logits)` gets each scored chunk's float32 logits `[chunk tokens, vocab]`, in order (e.g. for a KL)."""
     ids = ids.view(-1)
     n_score = len(ids) - prefix - 1 if n_score is None else n_score
     if prefix < 1 or n_score < 1 or prefix + n_score + 1 > len(ids):
@@ -61,6 +63,8 @@ def perplexity(
     for start in tqdm(starts, desc="perplexity", unit="chunk", disable=not progress, leave=False):
         stop = min(start + chunk, prefix + n_score)
         logits = forward(model, ids[start:stop], cache, last_only=False)[0].float()  # [stop - start, vocab]
+        if on_logits is not None:
+            on_logits(logits)
         parts.append(F.cross_entropy(logits, ids[start + 1 : stop + 1].to(logits.device), reduction="none").double().cpu())
     token_nll = torch.cat(parts)  # [n_score]
     nll = token_nll.mean().item()

@@ -1,0 +1,407 @@
+"""`auto:<target>`: TurboQuant bit widths per layer and per K/V, allocated from a measured profile to a quality target.
+
+Calibration (once per model: `kvpack calibrate --model NAME`, `calibrate()` here). A prompt of a calibration text
+(pydoc by default: always installed, and not the evaluation's news) is prefilled once; its K/V are then stored by
+one probe cache per (full-attention layer l, K or V, bits b in BITS): TurboQuant at b bits on that one side of
+that one layer, the lossless `fp16` codec everywhere else (sinks, window and block size as the fixed TurboQuant
+methods). The following tokens are scored in one forward through each cache, and the probe's sensitivity is
+the mean KL divergence of the next-token distribution from the reference cache's (`fp16` on every layer):
+
+    s(l, side, b) = mean_t KL(p_ref(. | t) || p_probe(. | t))          (nats per token)
+
+KL is non-negative and has far less variance than a perplexity delta on the same tokens (it reads every
+token's whole distribution, not the one log-probability of the token that came).
+
+Allocation (`allocate`, `method_from_profile`). The additive model: the KL of a cache compressing several
+(layer, side)s at once is the sum of their probes' KLs (second order, KL ~ e^T F e / 2 of the logit error, and
+the errors of independent codecs do not correlate), and the mean NLL delta on text the model predicts well is
+about that KL, so a perplexity target t (ppl_method / ppl_base <= 1 + t) becomes the budget
+
+    sum over (l, side) of s(l, side, b(l, side)) <= log(1 + t).
+
+Each (layer, side) then takes the width minimizing the cache's real bytes per token within that budget: an exact
+multiple-choice knapsack, a dynamic program over integer block bytes (read from an encoded block, norms
+included). docs/auto.md measures how well the assumption holds on the evaluation text.
+
+Profiles are JSON under `$KVPACK_PROFILE_DIR`, else `<kvpack cache>/profiles`, one per model, named after the model
+(`smollm2-135m.json`) and holding its fingerprint (architecture, rotary hashes, a weight sample): a profile for
+another model, or a damaged one, is refused with the file's name and the command that makes a new one.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import math
+import os
+import re
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .registry import CodecSpec, LayerCodecs, MethodConfig, get_method
+
+PROFILE_FORMAT = "kvpack-profile"
+PROFILE_VERSION = 1
+BITS = (2, 3, 4)  # TurboQuant widths a layer may take; 4 is always allowed
+SIDES = ("key", "value")
+BLOCK = 64  # tokens per encoded block whose bytes are the allocation's costs (the methods' block_size)
+SAMPLE = 4096  # values per parameter in the weight digest
+_TARGET = re.compile(r"(\d+(?:\.\d*)?|\.\d+)%")
+
+
+class ProfileError(ValueError):
+    """A missing, damaged or foreign calibration profile; the message names the file and the command that makes one."""
+
+
+# -- targets and codecs ---------------------------------------------------------------------------------
+def parse_target(arg: str) -> float:
+    """'1%' -> 0.01: the allowed perplexity increase over the uncompressed cache, a fraction in (0, 1]."""
+    match = _TARGET.fullmatch(arg.strip()) if isinstance(arg, str) else None
+    value = float(match[1]) / 100 if match else math.nan
+    if not 0 < value <= 1:
+        raise ValueError(f"auto takes a perplexity target in percent, above 0 and at most 100 (auto:<number>%, e.g. auto:0.5%, auto:1%, auto:2%), got {arg!r}")
+    return value
+
+
+def target_name(target: float) -> str:
+    return f"auto:{100 * target:g}%"
+
+
+def codec_spec(side: str, bits: int) -> CodecSpec:
+    """The codec of `side` at `bits`, exactly as the fixed `turboquant:kXvY` methods build it."""
+    method = get_method(f"turboquant:k{bits}v{bits}")
+    return method.key if side == "key" else method.value
+
+
+def block_bytes(spec: CodecSpec, head_dim: int, kv_heads: int) -> int:
+    """Real bytes of one encoded block of BLOCK tokens `(1, kv_heads, BLOCK, head_dim)`: every tensor it holds."""
+    x = torch.randn(1, kv_heads, BLOCK, head_dim, generator=torch.Generator().manual_seed(0))
+    return spec.build(head_dim, kv_heads).encode(x).nbytes()
+
+
+# -- model identity and profile files -------------------------------------------------------------------
+def weights_digest(model) -> str:
+    """sha256 of a strided sample (SAMPLE values) of every parameter, rounded to bfloat16.
+
+    Tells a fine-tune from its base in milliseconds (the architecture fingerprint cannot); the rounding makes a
+    checkpoint loaded in float32 or bfloat16 the same model, as its profile is.
+    """
+    digest = hashlib.sha256()
+    for name, param in model.named_parameters():
+        flat = param.detach().reshape(-1)
+        sample = flat[:: max(1, flat.numel() // SAMPLE)].to(torch.bfloat16).cpu()
+        digest.update(f"{name}{tuple(param.shape)}".encode())
+        digest.update(sample.view(torch.int16).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def fingerprint(model) -> dict:
+    """The saved caches' model fingerprint (kvpack.cache.serialize: type, architecture and rotary config fields) plus
+    `weights_digest`. Its hashes of the rotary buffers are left out: they change with the dtype the model is cast to."""
+    from .cache.serialize import model_fingerprint
+
+    saved = model_fingerprint(model)
+    return {"model_type": saved["model_type"], "config": saved["config"], "weights": weights_digest(model)}
+
+
+def model_name(model) -> str:
+    """The model's directory name (a registry name for registry models), else its type and a fingerprint hash."""
+    path = getattr(model.config, "_name_or_path", "") or ""
+    if path:
+        return Path(path).name
+    digest = hashlib.sha256(json.dumps(fingerprint(model), sort_keys=True).encode()).hexdigest()[:12]
+    return f"{getattr(model.config, 'model_type', 'model')}-{digest}"
+
+
+def calibrate_command(model) -> str:
+    """The command that writes this model's profile where `auto:<target>` looks for it."""
+    from .models import MODELS
+
+    name, path = model_name(model), getattr(model.config, "_name_or_path", "") or ""
+    if name in MODELS:
+        return f"kvpack calibrate --model {name}"
+    if path:
+        return f"kvpack calibrate --model {path}"
+    return f"kvpack.auto.save_profile(kvpack.auto.calibrate(model, tokenizer), {str(profile_path(model))!r})"
+
+
+def profile_dir() -> Path:
+    from .models import cache_dir
+
+    return Path(os.environ.get("KVPACK_PROFILE_DIR") or cache_dir() / "profiles")
+
+
+def profile_path(model) -> Path:
+    return profile_dir() / f"{model_name(model)}.json"
+
+
+def save_profile(profile: dict, path: str | os.PathLike) -> Path:
+    """Write `profile` to `path` atomically (a reader sees the old file or the whole new one); creates its directory."""
+    from .cache.serialize import _atomic_write
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _atomic_write(path, (json.dumps(profile, indent=1) + "\n").encode())
+    return path
+
+
+def load_profile(model, path: str | os.PathLike | None = None) -> dict:
+    """The profile of `model` (at `path`, else `profile_path(model)`), checked to be whole and for this very model."""
+    path = Path(path) if path is not None else profile_path(model)
+    command = calibrate_command(model)
+    try:
+        profile = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ProfileError(f"no calibration profile for this model at {path}; make it (once, a few minutes on a CPU) with: {command}") from None
+    except (OSError, ValueError) as err:
+        raise ProfileError(f"{path} is not a readable kvpack calibration profile ({err}); make it again with: {command}") from err
+    _check_profile(profile, path, command)
+    saved, now = profile["fingerprint"], fingerprint(model)
+    if saved != now:
+        diffs = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
+        raise ProfileError(f"{path} was calibrated for another model (it differs in: {', '.join(diffs)}); make this model's with: {command}")
+    return profile
+
+
+def _check_profile(profile, path: Path, command: str) -> None:
+    """The structure `method_from_profile` reads: every (layer, side, bits) once, finite non-negative KL."""
+    fix = f"make it again with: {command}"
+    if not isinstance(profile, dict) or profile.get("format") != PROFILE_FORMAT:
+        raise ProfileError(f"{path} is not a kvpack calibration profile (no format {PROFILE_FORMAT!r}); {fix}")
+    if profile.get("version") != PROFILE_VERSION:
+        raise ProfileError(f"{path} has profile version {profile.get('version')!r}, this kvpack reads {PROFILE_VERSION}; {fix}")
+    try:
+        layers, bits = profile["layers"], [str(b) for b in profile["bits"]]
+        seen = {(r["layer"], r["side"], str(r["bits"])): r["kl"] for r in profile["sensitivity"]}
+        for side in SIDES:
+            for b in bits:
+                CodecSpec(profile["codecs"][side][b]["codec"], dict(profile["codecs"][side][b]["options"]))
+                int(profile["block_bytes"][side][b])
+        want = {(layer, side, b) for layer in layers for side in SIDES for b in bits}
+        bad = sorted(k for k in want if not (isinstance(seen.get(k), float) and math.isfinite(seen[k]) and seen[k] >= 0))
+        fingerprint_ok = isinstance(profile["fingerprint"], dict)
+    except (KeyError, TypeError, ValueError) as err:
+        raise ProfileError(f"{path} is a damaged calibration profile ({type(err).__name__}: {err}); {fix}") from err
+    if bad or set(seen) != want or not fingerprint_ok:
+        raise ProfileError(f"{path} is a damaged calibration profile (missing or invalid sensitivities, e.g. {(bad or sorted(set(seen) ^ want))[:3]}); {fix}")
+
+
+# -- allocation ---------------------------------------------------------------------------------------------
+def allocate(costs: Sequence[Sequence[int]], losses: Sequence[Sequence[float]], budget: float) -> list[int] | None:
+    """The choice per item minimizing total cost subject to total loss <= budget; None when no choice fits.
+
+    costs[i][j]: a non-negative integer (bytes of item i's choice j); losses[i][j]: its loss. Exact: a dynamic
+    program over the total cost (in units of the costs' gcd) keeps, for every reachable total, the least loss
+    that reaches it; the answer is the least total whose least loss fits (ties in cost: least loss).
+    """
+    if any(c < 0 or int(c) != c for row in costs for c in row):
+        raise ValueError("costs must be non-negative integers")
+    unit = math.gcd(*(int(c) for row in costs for c in row)) or 1
+    total = sum(max(row) for row in costs) // unit
+    best = torch.full((total + 1,), math.inf, dtype=torch.float64)
+    best[0] = 0.0
+    choices = []  # choices[i][t]: item i's choice on the best path to total t
+    for cost_row, loss_row in zip(costs, losses, strict=True):
+        options = torch.full((len(cost_row), total + 1), math.inf, dtype=torch.float64)
+        for j, (c, loss) in enumerate(zip(cost_row, loss_row, strict=True)):
+            shift = int(c) // unit
+            options[j, shift:] = best[: total + 1 - shift] + loss
+        best, pick = options.min(dim=0)
+        choices.append(pick)
+    fits = (best <= budget).nonzero()
+    if not len(fits):
+        return None
+    t, out = int(fits[0]), []
+    for i in range(len(costs) - 1, -1, -1):
+        j = int(choices[i][t])
+        out.append(j)
+        t -= int(costs[i][j]) // unit
+    return out[::-1]
+
+
+def sensitivities(profile: dict) -> dict[tuple[int, str], list[float]]:
+    """The measured KL of every (layer, side) per width (in `profile["bits"]` order), made non-increasing in the width.
+
+    A wider code has less error, so in expectation no more KL; a measurement that says otherwise is a few heavy
+    tokens (SmolLM2's layer-17 keys: 3 bits 0.0020 +- 0.0014 nats, 2 bits 0.0013), read conservatively: a width
+    is charged at least what any wider one measured.
+    """
+    kl = {(r["layer"], r["side"], r["bits"]): r["kl"] for r in profile["sensitivity"]}
+    out = {}
+    for layer in profile["layers"]:
+        for side in SIDES:
+            row = [kl[(layer, side, b)] for b in profile["bits"]]
+            for j in range(len(row) - 2, -1, -1):
+                row[j] = max(row[j], row[j + 1])
+            out[(layer, side)] = row
+    return out
+
+
+def method_from_profile(profile: dict, target: float) -> MethodConfig:
+    """The `auto` method for a perplexity target (a fraction): per-layer TurboQuant widths within log(1 + target) of KL."""
+    bits = [str(b) for b in profile["bits"]]
+    items = [(layer, side) for layer in profile["layers"] for side in SIDES]
+    sens = sensitivities(profile)
+    costs = [[int(profile["block_bytes"][side][b]) for b in bits] for _, side in items]
+    losses = [sens[item] for item in items]
+    budget = math.log1p(target)
+    picks = allocate(costs, losses, budget)
+    if picks is None:
+        floor = sum(min(row) for row in losses)
+        raise ValueError(
+            f"{target_name(target)} asks for at most {budget:.4g} nats of KL per token, but {max(bits)} bits on every layer is "
+            f"predicted at {floor:.4g} (about +{100 * math.expm1(floor):.2g}% perplexity) by this model's profile: use a looser target "
+            "or a higher-precision method (e.g. int8)"
+        )
+    chosen = {item: bits[j] for item, j in zip(items, picks, strict=True)}
+    spec = {(side, b): CodecSpec(profile["codecs"][side][b]["codec"], dict(profile["codecs"][side][b]["options"])) for side in SIDES for b in bits}
+    pairs: dict[tuple[str, str], list[int]] = {}
+    for layer in profile["layers"]:
+        pairs.setdefault((chosen[(layer, "key")], chosen[(layer, "value")]), []).append(layer)
+    entries = tuple(LayerCodecs(tuple(layers), spec[("key", kb)], spec[("value", vb)]) for (kb, vb), layers in sorted(pairs.items()))
+    top = max(bits)
+    # Every profiled layer has an entry; the base pair (widest) would serve only layers the profile lacks, and none are.
+    return MethodConfig(target_name(target), spec[("key", top)], spec[("value", top)], layer_codecs=entries)
+
+
+def auto_method(model, method: str = "auto:1%", profile: str | os.PathLike | None = None) -> MethodConfig:
+    """`auto:<target>` for `model`, from its profile (`profile`, else the default path); ProfileError names the fix."""
+    target = parse_target(method.removeprefix("auto:"))
+    if not hasattr(model, "named_parameters"):
+        raise ValueError(f"{method} reads the model's calibration profile and checks it against the weights: pass the model, not its config")
+    return method_from_profile(load_profile(model, profile), target)
+
+
+def summary(method: MethodConfig, profile: dict) -> dict:
+    """Of an auto method built from `profile`: mean code bits per coordinate, bytes per compressed token (all compressed
+    layers, K and V; sinks and window not counted) and their ratio to fp16, and the KL the profile predicts."""
+    sens = sensitivities(profile)
+    widths = [(layer, side, method.for_layer(layer).key if side == "key" else method.for_layer(layer).value) for layer in profile["layers"] for side in SIDES]
+    bits = [spec.options["bits"] for _, _, spec in widths]
+    nbytes = sum(profile["block_bytes"][side][str(spec.options["bits"])] for _, side, spec in widths) / BLOCK
+    fp16 = len(profile["layers"]) * len(SIDES) * profile["kv_heads"] * profile["head_dim"] * 2
+    return {
+        "mean_bits": sum(bits) / len(bits),
+        "compressed_bytes_per_token": nbytes,
+        "compressed_ratio_vs_fp16": fp16 / nbytes,
+        "predicted_kl": sum(sens[(layer, side)][profile["bits"].index(spec.options["bits"])] for layer, side, spec in widths),
+    }
+
+
+# -- calibration --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class CalibrationConfig:
+    """text: corpus from kvpack.text; pydoc by default (in the standard library, and not the evaluation's news).
+    prefix: prompt tokens in each probe cache (all but sinks and window compressed).
+    tokens: tokens scored after the prompt in one forward, each reading the probe cache.
+    offset: first token of the text used. bits: TurboQuant widths measured.
+    """
+
+    text: str = "pydoc"
+    prefix: int = 1024
+    tokens: int = 256
+    offset: int = 0
+    bits: tuple[int, ...] = BITS
+
+    def __post_init__(self):
+        from .text import TEXTS
+
+        if self.text not in TEXTS:
+            raise ValueError(f"text must be one of {sorted(TEXTS)}, got {self.text!r}")
+        if self.prefix < 2 * BLOCK or self.tokens < 1 or self.offset < 0:
+            raise ValueError(f"need prefix >= {2 * BLOCK}, tokens >= 1, offset >= 0; got {self.prefix}, {self.tokens}, {self.offset}")
+        if not self.bits or any(b not in BITS for b in self.bits) or max(self.bits) != max(BITS):
+            raise ValueError(f"bits must be widths from {BITS} including {max(BITS)}, got {self.bits!r}")
+
+
+def _probe(layer: int | None, side: str = "key", spec: CodecSpec | None = None) -> MethodConfig:
+    """The reference (`fp16` everywhere, layer None) or `spec` on one side of one layer; defaults as the fixed methods."""
+    fp16 = CodecSpec("fp16")
+    if layer is None:
+        return MethodConfig("auto-reference", fp16, fp16)
+    pair = (spec, fp16) if side == "key" else (fp16, spec)
+    return MethodConfig(f"auto-probe:{layer}:{side}", fp16, fp16, layer_codecs=(LayerCodecs((layer,), *pair),))
+
+
+def _probe_cache(base, method: MethodConfig, layer: int):
+    """A copy of the prefilled reference cache `base` whose `layer` holds the same prompt through `method`'s codecs.
+
+    Exactly what a prefill through a cache of `method` holds: a prefill's attention reads the prompt as the exact
+    (float16) tokens whatever the codecs, so every layer's prompt K/V are the reference's; only `layer` stores them otherwise.
+    """
+    from .cache.layer import KVPackLayer
+
+    cache = copy.deepcopy(base)
+    old = cache.layers[layer]
+    new = KVPackLayer(method.for_layer(layer), layer, old.model_config, old.rope)
+    new.update(old.keys, old.values)  # kvpack attention is off: the layer compresses the prompt at once, as after a prefill
+    cache.layers[layer], cache.method = new, method
+    return cache
+
+
+@torch.no_grad()
+def _score(model, cache, ids: torch.Tensor) -> torch.Tensor:
+    """Float64 log-probabilities `(tokens, vocab)` of `ids` read through `cache` (which the forward extends)."""
+    logits = model(input_ids=ids.view(1, -1).to(model.device), past_key_values=cache, use_cache=True).logits[0]
+    return F.log_softmax(logits.double(), dim=-1)  # float64: a KL of 1e-6 nats is a difference of nearly equal sums
+
+
+def calibrate(model, tokenizer, config: CalibrationConfig | None = None, progress: bool = True) -> dict:
+    """Measure every (full-attention layer, side, bits) probe of `model` (see the module docstring); returns the profile."""
+    from ._optional import require
+    from .cache.kvcache import KVCache, _text_config, layer_kinds
+    from .eval.generate import forward
+    from .text import token_stream
+
+    tqdm = require("tqdm.auto", "kvpack calibration (its progress bar)").tqdm
+    config = config or CalibrationConfig()
+    start = time.perf_counter()
+    _, text = _text_config(model)
+    layers = [i for i, (kind, _) in enumerate(layer_kinds(text)) if kind == "full_attention"]
+    if not layers:
+        raise ValueError("this model has no full-attention layer: kvpack compresses none, so there is nothing to calibrate")
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    ids = token_stream(tokenizer, config.text, config.prefix + config.tokens + 1, offset=config.offset)
+    prompt, scored, targets = ids[: config.prefix], ids[config.prefix : -1], ids[config.prefix + 1 :]
+    specs = {(side, b): codec_spec(side, b) for side in SIDES for b in config.bits}
+    from .attention import NAME, disable, enable
+
+    enabled = model.config._attn_implementation == NAME
+    disable(model)  # probe layers are filled by update() outside a forward, which kvpack attention would wait on
+    try:
+        base = KVCache(model, _probe(None), allow_untested=True)
+        forward(model, prompt, base)
+        ref = _score(model, copy.deepcopy(base), scored)
+        ref_nll = -ref[torch.arange(len(targets)), targets]
+        records = []
+        probes = [(layer, side, b) for layer in layers for side in SIDES for b in config.bits]
+        for layer, side, b in tqdm(probes, desc="calibrating", unit="probe", disable=not progress):
+            logp = _score(model, _probe_cache(base, _probe(layer, side, specs[(side, b)]), layer), scored)
+            # (tokens,) KL(p_ref || p_probe); what float64 rounding leaves below 0 of a KL that is >= 0 is 0
+            kl = F.kl_div(logp, ref, log_target=True, reduction="none").sum(-1).clamp_min(0)
+            nll = -logp[torch.arange(len(targets)), targets]
+            records.append({
+                "layer": layer, "side": side, "bits": b, "kl": kl.mean().item(), "kl_se": (kl.std() / len(kl) ** 0.5).item(),
+                "nll_delta": (nll - ref_nll).mean().item(),
+            })
+    finally:
+        if enabled:
+            enable(model)
+    from . import __version__
+
+    return {
+        "format": PROFILE_FORMAT, "version": PROFILE_VERSION, "kvpack_version": __version__, "model": model_name(model),
+        "fingerprint": fingerprint(model), "calibration": {**asdict(config), "dtype": str(model.dtype).removeprefix("torch."),
+        "reference_nll": ref_nll.mean().item(), "seconds": round(time.perf_counter() - start, 1), "torch_threads": torch.get_num_threads()},
+        "layers": layers, "bits": list(config.bits), "head_dim": head_dim, "kv_heads": kv_heads,
+        "codecs": {side: {str(b): {"codec": specs[(side, b)].codec, "options": specs[(side, b)].options} for b in config.bits} for side in SIDES},
+        "block_bytes": {side: {str(b): block_bytes(specs[(side, b)], head_dim, kv_heads) for b in config.bits} for side in SIDES},
+        "block_tokens": BLOCK, "sensitivity": records,
+    }

@@ -1,0 +1,163 @@
+"""`auto:<target>` against its targets and the fixed TurboQuant widths: bytes, perplexity delta, and measured vs predicted KL.
+
+    python -m kvpack.bench.auto --model smollm2-135m --json bench/results/auto-smollm2-135m-2k.json \
+        --plot bench/results/auto-smollm2-135m-2k.png
+
+Protocol: the perplexity protocol of `kvpack compare` (a `--context`-token news prefix prefilled into the cache,
+then `--ppl-tokens` scored in chunks of `--chunk` that read the compressed cache, kvpack attention on), one fresh
+cache per method; the uncompressed `dynamic` cache runs first. Per method: real bytes after the prefill (the
+cache's own tensors, sinks and window included) and their ratio to an fp16 cache, the perplexity delta with the
+paired block-bootstrap interval of `compare`, and the mean KL of every scored token's next-token distribution from
+the baseline's. For an auto method also its mean bits and the KL its profile predicts (the sum of the probes'), so
+the additive model behind the allocation is checked where it is used: measured KL vs predicted, and the
+perplexity delta vs the target (met: the point estimate is within the target; met_ci: the whole interval is).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .env import environment
+
+PROG = "python -m kvpack.bench.auto"
+FIXED = ["turboquant:k4v4", "turboquant:k4v3", "turboquant:k3v3", "turboquant:k4v2", "turboquant:k3v2", "turboquant:k2v2"]
+
+
+def _run(model, ids, method: str, args, reference: list[torch.Tensor] | None) -> tuple[dict, object, list[torch.Tensor]]:
+    """One method's row, its PerplexityResult and its chunks' log-probabilities (kept for the baseline only)."""
+    from kvpack.eval.memory import memory_report
+    from kvpack.eval.methods import attention_for, make_cache
+    from kvpack.eval.perplexity import perplexity
+
+    chunks: list[torch.Tensor] = []
+    kl: list[torch.Tensor] = []
+    probe: dict = {}
+
+    def on_logits(logits: torch.Tensor) -> None:
+        logp = F.log_softmax(logits.double(), dim=-1)  # float64: KLs of 1e-4 nats are differences of nearly equal sums
+        if reference is None:
+            chunks.append(logp.float())
+        else:
+            ref = reference[len(kl)].double()
+            kl.append(F.kl_div(logp, ref, log_target=True, reduction="none").sum(-1).clamp_min(0))
+
+    start = time.perf_counter()
+    cache = make_cache(model, method)
+    with attention_for(model, method):
+        result = perplexity(model, ids, cache, args.context, args.chunk, args.ppl_tokens, after_prefill=lambda c: probe.update(memory_report(c, model.config)),
+                            progress=False, on_logits=on_logits)
+    mem = probe
+    row = {"method": method, "tokens": mem["tokens"], "total_bytes": mem["total_bytes"], "fp16_bytes": mem["fp16_bytes"],
+           "ratio_vs_fp16": mem["fp16_bytes"] / mem["total_bytes"], "ppl": result.ppl, "nll": result.nll, "seconds": time.perf_counter() - start}
+    if kl:
+        per_token = torch.cat(kl)
+        row |= {"kl": per_token.mean().item(), "kl_se": (per_token.std() / len(per_token) ** 0.5).item()}
+    if method.startswith("auto:"):
+        from kvpack import auto
+
+        target = auto.parse_target(method.removeprefix("auto:"))
+        row |= {"target_pct": 100 * target, "kl_budget": math.log1p(target), **auto.summary(cache.method, auto.load_profile(model))}
+    return row, result, chunks
+
+
+def _with_delta(row: dict, result, base, args) -> dict:
+    from kvpack.eval.perplexity import delta, delta_ci
+    from kvpack.eval.stats import BootstrapConfig
+
+    row["ppl_delta_pct"], _ = delta(result, base)
+    row["ppl_delta_ci"] = list(delta_ci(result, base, BootstrapConfig(seed=args.seed)))
+    if "target_pct" in row:
+        row["met"] = row["ppl_delta_pct"] <= row["target_pct"]
+        row["met_ci"] = row["ppl_delta_ci"][1] <= row["target_pct"]
+        row["kl_met"] = row["kl"] <= row["kl_budget"]
+    return row
+
+
+def plot(rows: list[dict], path: str, title: str) -> None:
+    """Perplexity delta (with its interval) against the compression ratio: the auto curve and the fixed widths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for group, style, color in (("auto", "o-", "tab:blue"), ("fixed", "s", "tab:gray")):
+        pts = sorted((r for r in rows if r.get("ppl_delta_pct") is not None and r["method"].startswith("auto:") == (group == "auto")),
+                     key=lambda r: r["ratio_vs_fp16"])
+        if not pts:
+            continue
+        x, y = [r["ratio_vs_fp16"] for r in pts], [r["ppl_delta_pct"] for r in pts]
+        err = [[v - r["ppl_delta_ci"][0] for v, r in zip(y, pts, strict=True)], [r["ppl_delta_ci"][1] - v for v, r in zip(y, pts, strict=True)]]
+        ax.errorbar(x, y, yerr=err, fmt=style, color=color, capsize=3, label="auto:<target>" if group == "auto" else "fixed turboquant")
+        for r in pts:
+            ax.annotate(r["method"].removeprefix("turboquant:"), (r["ratio_vs_fp16"], r["ppl_delta_pct"]), textcoords="offset points",
+                        xytext=(4, 4), fontsize=7)
+        for r in pts if group == "auto" else ():
+            ax.plot([r["ratio_vs_fp16"] - 0.08, r["ratio_vs_fp16"] + 0.08], [r["target_pct"]] * 2, color=color, lw=1, alpha=0.6)
+    ax.axhline(0, color="black", lw=0.5)
+    ax.set_xlabel("compression vs an fp16 cache (real bytes after the prefill)")
+    ax.set_ylabel("perplexity delta, % (95% paired bootstrap)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from kvpack.eval.methods import BASELINE
+    from kvpack.models import load_model
+    from kvpack.text import token_stream
+
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--targets", default="0.5,1,2,4", help="comma-separated perplexity targets in percent")
+    p.add_argument("--fixed", default=",".join(FIXED), help="comma-separated fixed methods to place beside them")
+    p.add_argument("--context", type=int, default=2048)
+    p.add_argument("--ppl-tokens", type=int, default=2048)
+    p.add_argument("--chunk", type=int, default=256)
+    p.add_argument("--text", default="news")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="bootstrap seed")
+    p.add_argument("--json", required=True)
+    p.add_argument("--plot")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from kvpack import auto
+
+    methods = [f"auto:{t}%" for t in args.targets.split(",") if t] + [m for m in args.fixed.split(",") if m]
+    model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype))
+    for m in methods:  # a missing profile or an impossible target fails now, not after the baseline
+        if m.startswith("auto:"):
+            auto.auto_method(model, m)
+    ids = token_stream(tokenizer, args.text, args.context + args.ppl_tokens + 1)
+    profile = auto.load_profile(model)
+    out = {"environment": environment(PROG, argv), "config": vars(args), "profile": {"path": str(auto.profile_path(model)),
+           "calibration": profile["calibration"], "kvpack_version": profile["kvpack_version"]}, "rows": []}
+    base_row, base, reference = _run(model, ids, BASELINE, args, None)
+    out["rows"].append(base_row)
+    print(f"{BASELINE}: ppl {base.ppl:.4f} in {base_row['seconds']:.0f} s", flush=True)
+    for method in methods:
+        row, result, _ = _run(model, ids, method, args, reference)
+        out["rows"].append(_with_delta(row, result, base, args))
+        Path(args.json).write_text(json.dumps(out, indent=1))  # after every method: a long run keeps what it measured
+        extra = f", predicted KL {row['predicted_kl']:.5f}, met {row['met']}" if "target_pct" in row else ""
+        print(f"{method}: {row['ratio_vs_fp16']:.2f}x, ppl {row['ppl_delta_pct']:+.2f}% [{row['ppl_delta_ci'][0]:+.2f}, {row['ppl_delta_ci'][1]:+.2f}], "
+              f"KL {row['kl']:.5f}{extra} ({row['seconds']:.0f} s)", flush=True)
+    if args.plot:
+        plot(out["rows"], args.plot, f"{args.model}: {args.context}-token {args.text} prefix, {args.ppl_tokens} scored tokens ({args.dtype})")
+        print(f"wrote {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
