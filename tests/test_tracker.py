@@ -478,3 +478,22 @@ def test_boundary_follows_a_growing_context_and_never_searches_past_it():
             controller.observe(max(0.0, curve(controller.boundary, tokens) * (1 + 0.1 * rng.gauss(0, 1))))
         right = next(b for b in controller.grid if curve(b, tokens) <= 0.08)
         assert right - 128 <= controller.boundary <= right + 64, (seed, controller.boundary, right)
+
+
+def test_archive_bits_move_only_once_attention_reaches_the_archive():
+    model = _tiny()
+    kvpack.enable(model)
+    try:
+        for prompt, moved in ((150, False), (700, True)):
+            cache = kvpack.KVCache(model, "tiered:128:tq", tracker=QualityTracker(1.0))
+            config = AdaptiveConfig.for_method(cache.method, 10.0, min_samples=2, max_samples=4)  # loose: every boundary is slack
+            archive = AdaptiveArchive(AdaptiveThresholds(config, 128), ((2, 2), (3, 2)), start=1)
+            ids = torch.randint(0, 128, (1, prompt), generator=torch.Generator().manual_seed(prompt))
+            with torch.no_grad():
+                model.generate(ids, past_key_values=cache, max_new_tokens=12, do_sample=False)
+            has_archive = any(e.masses.get("tier1", 0.0) > 0 for e in cache.tracker.estimates)
+            adapt(cache, archive)
+            assert has_archive == moved and (archive.bits == (2, 2)) == moved, prompt  # 150 tokens: nothing archived yet
+            assert (cache.method.tiers[0].key.options["bits"], cache.method.tiers[0].value.options["bits"]) == archive.bits
+    finally:
+        kvpack.disable(model)

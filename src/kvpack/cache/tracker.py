@@ -602,7 +602,9 @@ def adapt(cache: KVCache, controller: AdaptiveThresholds | AdaptiveArchive) -> i
         before = boundary.boundary
         if boundary.observe(estimate.error) != before:
             apply_boundary(cache, boundary.boundary)
-        if archive is not None and archive.step():
+        # Bits move only on estimates that saw attention on the archive: early in a conversation the archive is
+        # empty, every boundary meets the target, and stepping down then would archive the next blocks too coarsely.
+        if archive is not None and estimate.masses.get(f"tier{len(cache.method.tiers)}", 0.0) > 0 and archive.step():
             apply_archive_bits(cache, *archive.bits)
     return boundary.boundary
 
