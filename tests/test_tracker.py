@@ -427,9 +427,10 @@ def test_archive_climbs_a_rung_when_no_boundary_meets_the_target_and_settles():
 
 def test_archive_steps_down_while_the_target_holds_at_the_lowest_boundary():
     config = AdaptiveConfig(0.5, block_size=64, min_after=128, max_after=1024)  # loose: every rung meets it at 128 (rung 0: 0.42)
-    archive = AdaptiveArchive(AdaptiveThresholds(config, 512), ((2, 2), (3, 2), (3, 3)), start=2)
+    assert _run_archive(AdaptiveArchive(AdaptiveThresholds(config, 512), ((2, 2), (3, 3)), start=1), 300, random.Random(0))[-1] == (1, 128)
+    archive = AdaptiveArchive(AdaptiveThresholds(config, 512), ((2, 2), (3, 2), (3, 3)), start=2, step_down=True)
     path = _run_archive(archive, 300, random.Random(0))
-    assert path[-1] == (0, 128)  # as few bytes as allowed
+    assert path[-1] == (0, 128)  # as few bytes as allowed (opt-in; by default the bits only climb)
     assert archive.thresholds().archive_bits == (2, 2)
     with pytest.raises(ValueError, match="rungs must be"):
         AdaptiveArchive(AdaptiveThresholds(config), (), 0)
@@ -487,7 +488,7 @@ def test_archive_bits_move_only_once_attention_reaches_the_archive():
         for prompt, moved in ((150, False), (700, True)):
             cache = kvpack.KVCache(model, "tiered:128:tq", tracker=QualityTracker(1.0))
             config = AdaptiveConfig.for_method(cache.method, 10.0, min_samples=2, max_samples=4)  # loose: every boundary is slack
-            archive = AdaptiveArchive(AdaptiveThresholds(config, 128), ((2, 2), (3, 2)), start=1)
+            archive = AdaptiveArchive(AdaptiveThresholds(config, 128), ((2, 2), (3, 2)), start=1, step_down=True)
             ids = torch.randint(0, 128, (1, prompt), generator=torch.Generator().manual_seed(prompt))
             with torch.no_grad():
                 model.generate(ids, past_key_values=cache, max_new_tokens=12, do_sample=False)

@@ -547,17 +547,20 @@ class AdaptiveArchive:
 
     rungs: (key bits, value bits) of the archive, fewest bytes first; `start` indexes the rung in use. When the
     boundary search converges with every boundary above target (even `max_after` misses it), the archive
-    climbs a rung and that rung becomes the floor; when it converges at `min_after` with the target met, the
-    archive steps down a rung (fewer bytes) unless that rung is below the floor, i.e. already failed. Each move
-    restarts the boundary search. The floor only rises, so the rung settles after at most 2 x len(rungs) moves.
+    climbs a rung and that rung becomes the floor. With `step_down=True`, when it converges at `min_after`
+    with the target met, the archive steps down a rung (fewer bytes) unless that rung is below the floor, i.e.
+    already failed. Each move restarts the boundary search. The floor only rises, so the rung settles after at
+    most 2 x len(rungs) moves. Stepping down is off by default: in a growing conversation the target is met
+    easily while the archive is small, and blocks archived coarsely then stay coarse when the context grows
+    (measured on SmolLM2: +3.3% perplexity with it, docs/tiers.md); use it where the context is stable.
     """
 
-    def __init__(self, boundary: AdaptiveThresholds, rungs: tuple[tuple[int, int], ...], start: int):
+    def __init__(self, boundary: AdaptiveThresholds, rungs: tuple[tuple[int, int], ...], start: int, step_down: bool = False):
         if not rungs or not all(isinstance(r, tuple) and len(r) == 2 and all(isinstance(b, int) and b > 0 for b in r) for r in rungs):
             raise ValueError(f"rungs must be (key bits, value bits) pairs of positive ints, fewest bytes first, got {rungs!r}")
         if not 0 <= start < len(rungs):
             raise ValueError(f"start must index rungs (0..{len(rungs) - 1}), got {start!r}")
-        self.boundary, self.rungs, self.rung, self.floor = boundary, tuple(rungs), start, 0
+        self.boundary, self.rungs, self.rung, self.floor, self.step_down = boundary, tuple(rungs), start, 0, step_down
 
     @property
     def bits(self) -> tuple[int, int]:
@@ -575,7 +578,7 @@ class AdaptiveArchive:
         if c.exhausted and self.rung + 1 < len(self.rungs):
             self.rung += 1
             self.floor = self.rung
-        elif c.slack and self.rung > self.floor:
+        elif self.step_down and c.slack and self.rung > self.floor:
             self.rung -= 1
         else:
             return False
