@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--out", help="profile path (default: <model>.json in $KVPACK_PROFILE_DIR, else ~/.cache/kvpack/profiles, "
                                    "where auto:<target> looks)")
     cal.add_argument("--text", default="pydoc", choices=["pydoc", "shakespeare", "news"], help="calibration text (news is the evaluation's)")
-    cal.add_argument("--prefix", type=int, default=1024, help="prompt tokens in each probe cache")
+    cal.add_argument("--prefix", type=int, default=2048, help="prompt tokens in each probe cache (the context the profile is for)")
     cal.add_argument("--tokens", type=int, default=256, help="tokens scored through each probe cache")
     cal.add_argument("--offset", type=int, default=0, help="first token of the text used")
     cal.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="model weights and activations")

@@ -54,7 +54,7 @@ def _run(model, ids, method: str, args, reference: list[torch.Tensor] | None) ->
         result = perplexity(model, ids, cache, args.context, args.chunk, args.ppl_tokens, after_prefill=lambda c: probe.update(memory_report(c, model.config)),
                             progress=False, on_logits=on_logits)
     mem = probe
-    row = {"method": method, "tokens": mem["tokens"], "total_bytes": mem["total_bytes"], "fp16_bytes": mem["fp16_bytes"],
+    row = {"method": method, "status": "ok", "tokens": mem["tokens"], "total_bytes": mem["total_bytes"], "fp16_bytes": mem["fp16_bytes"],
            "ratio_vs_fp16": mem["fp16_bytes"] / mem["total_bytes"], "ppl": result.ppl, "nll": result.nll, "seconds": time.perf_counter() - start}
     if kl:
         per_token = torch.cat(kl)
@@ -136,15 +136,19 @@ def main(argv: list[str] | None = None) -> int:
 
     methods = [f"auto:{t}%" for t in args.targets.split(",") if t] + [m for m in args.fixed.split(",") if m]
     model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype))
-    for m in methods:  # a missing profile or an impossible target fails now, not after the baseline
-        if m.startswith("auto:"):
-            auto.auto_method(model, m)
-    ids = token_stream(tokenizer, args.text, args.context + args.ppl_tokens + 1)
-    profile = auto.load_profile(model)
+    profile = auto.load_profile(model)  # a missing profile fails now, not after the baseline
     out = {"environment": environment(PROG, argv), "config": vars(args), "profile": {"path": str(auto.profile_path(model)),
            "calibration": profile["calibration"], "kvpack_version": profile["kvpack_version"]}, "rows": []}
+    for m in [m for m in methods if m.startswith("auto:")]:
+        try:
+            auto.auto_method(model, m)
+        except ValueError as err:  # a target below what 4 bits everywhere is predicted to reach: recorded, not run
+            out["rows"].append({"method": m, "status": f"infeasible: {err}"})
+            methods.remove(m)
+            print(f"{m}: {err}", flush=True)
+    ids = token_stream(tokenizer, args.text, args.context + args.ppl_tokens + 1)
     base_row, base, reference = _run(model, ids, BASELINE, args, None)
-    out["rows"].append(base_row)
+    out["rows"].insert(0, base_row)
     print(f"{BASELINE}: ppl {base.ppl:.4f} in {base_row['seconds']:.0f} s", flush=True)
     for method in methods:
         row, result, _ = _run(model, ids, method, args, reference)
