@@ -320,3 +320,45 @@ def test_cli_calibrate_writes_the_profile_auto_reads(profiles, capsys):
     out = capsys.readouterr().out
     assert "auto:1%" in out and len(list(profiles.glob("*.json"))) == 1
     assert kvpack.KVCache(tiny_random_model(seed=0)[0], "auto:4%").method.name == "auto:4%"
+
+
+def test_profile_summary_ranks_the_layers_that_carry_the_loss(tmp_path):
+    """kvpack.bench.profile_plot on a hand-written profile: shares computed by hand (0.3 of 0.5 nats is layer 4's keys)."""
+    from kvpack.bench import profile_plot
+
+    recs = [{"layer": layer, "side": side, "bits": b, "kl": kl / (4 if b == 3 else 1)}
+            for layer, side, kl in [(4, "key", 0.3), (9, "key", 0.1), (4, "value", 0.05), (9, "value", 0.05)] for b in (2, 3)]
+    profile = {"model": "hand", "layers": [4, 9], "bits": [2, 3], "sensitivity": recs, "calibration": {"prefix": 8, "text": "pydoc"}}
+    d = profile_plot.describe(profile, bits=2, top=2)
+    assert d["total_kl"] == pytest.approx(0.5)
+    assert d["key_share"] == pytest.approx(0.8)
+    assert [(t["layer"], t["side"]) for t in d["top"]] == [(4, "key"), (9, "key")]
+    assert d["top"][0]["share"] == pytest.approx(0.6)
+    assert profile_plot.describe(profile, bits=3)["total_kl"] == pytest.approx(0.125)
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(profile))
+    assert profile_plot.main([str(path), "--plot", str(tmp_path / "p.png")]) == 0
+    assert (tmp_path / "p.png").stat().st_size > 0
+    with pytest.raises(SystemExit, match="measured \\[2, 3\\] bits, not 4"):
+        profile_plot.main([str(path), "--bits", "4"])
+
+
+def test_bench_merge_keeps_an_earlier_run_only_when_its_protocol_and_baseline_match(tmp_path):
+    """Peers run later sit beside an earlier auto run only if that run's config and uncompressed perplexity agree."""
+    from argparse import Namespace
+
+    from kvpack.bench import auto as bench
+
+    config = {"model": "m", "context": 2048, "ppl_tokens": 2048, "chunk": 256, "text": "news", "dtype": "float32"}
+    rows = [{"method": "dynamic", "ppl": 30.0}, {"method": "auto:1%", "ppl": 30.1}, {"method": "turboquant:k3v2", "ppl": 30.5}]
+    path = tmp_path / "earlier.json"
+    path.write_text(json.dumps({"config": config, "rows": rows}))
+    args = Namespace(**config)
+    merged = bench.merge(str(path), args, 30.0)
+    assert [r["method"] for r in merged] == ["auto:1%", "turboquant:k3v2"]
+    assert all(r["merged_from"] == str(path) for r in merged)
+    with pytest.raises(SystemExit, match="uncompressed perplexity 30.000000 differs from this run's 30.100000"):
+        bench.merge(str(path), args, 30.1)
+    with pytest.raises(SystemExit, match="differs in context, text"):
+        bench.merge(str(path), Namespace(**(config | {"context": 8192, "text": "pydoc"})), 30.0)
+    assert [bench._group(m) for m in ("auto:2%", "turboquant:k4v4", "kivi:2", "hf-quanto:4")] == ["auto", "fixed", "peer", "peer"]

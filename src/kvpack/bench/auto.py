@@ -11,6 +11,9 @@ paired block-bootstrap interval of `compare`, and the mean KL of every scored to
 the baseline's. For an auto method also its mean bits and the KL its profile predicts (the sum of the probes'), so
 the additive model behind the allocation is checked where it is used: measured KL vs predicted, and the
 perplexity delta vs the target (met: the point estimate is within the target; met_ci: the whole interval is).
+
+Peers (`--targets '' --fixed kivi:2,hf-quanto:4 --merge <earlier json>`) run later are merged beside an earlier run
+when its uncompressed baseline scored the same perplexity, so one plot shows auto, fixed widths and peers.
 """
 
 from __future__ import annotations
@@ -80,6 +83,24 @@ def _with_delta(row: dict, result, base, args) -> dict:
     return row
 
 
+def _group(method: str) -> str:
+    return "auto" if method.startswith("auto:") else "fixed" if method.startswith("turboquant:") else "peer"
+
+
+def merge(earlier_path: str, args, base_ppl: float) -> list[dict]:
+    """The method rows of an earlier run of the same protocol, to place beside this run's. Its baseline must have
+    scored the same perplexity as this run's (the protocol is deterministic): anything else means the runs differ."""
+    earlier = json.loads(Path(earlier_path).read_text())
+    same = ("model", "context", "ppl_tokens", "chunk", "text", "dtype")
+    diff = [k for k in same if earlier["config"][k] != getattr(args, k)]
+    if diff:
+        raise SystemExit(f"--merge {earlier_path}: that run differs in {', '.join(diff)}; merge only runs of the same protocol")
+    base = earlier["rows"][0]  # every run writes its uncompressed baseline first
+    if not math.isclose(base["ppl"], base_ppl, rel_tol=1e-6):
+        raise SystemExit(f"--merge {earlier_path}: its uncompressed perplexity {base['ppl']:.6f} differs from this run's {base_ppl:.6f}")
+    return [r | {"merged_from": earlier_path} for r in earlier["rows"] if r is not base]
+
+
 def plot(rows: list[dict], path: str, title: str) -> None:
     """Perplexity delta (with its interval) against the compression ratio: the auto curve and the fixed widths."""
     import matplotlib
@@ -88,14 +109,14 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for group, style, color in (("auto", "o-", "tab:blue"), ("fixed", "s", "tab:gray")):
-        pts = sorted((r for r in rows if r.get("ppl_delta_pct") is not None and r["method"].startswith("auto:") == (group == "auto")),
-                     key=lambda r: r["ratio_vs_fp16"])
+    labels = {"auto": "auto:<target>", "fixed": "fixed turboquant", "peer": "KIVI, transformers' quantized caches"}
+    for group, style, color in (("auto", "o-", "tab:blue"), ("fixed", "s", "tab:gray"), ("peer", "^", "tab:red")):
+        pts = sorted((r for r in rows if r.get("ppl_delta_pct") is not None and _group(r["method"]) == group), key=lambda r: r["ratio_vs_fp16"])
         if not pts:
             continue
         x, y = [r["ratio_vs_fp16"] for r in pts], [r["ppl_delta_pct"] for r in pts]
         err = [[v - r["ppl_delta_ci"][0] for v, r in zip(y, pts, strict=True)], [r["ppl_delta_ci"][1] - v for v, r in zip(y, pts, strict=True)]]
-        ax.errorbar(x, y, yerr=err, fmt=style, color=color, capsize=3, label="auto:<target>" if group == "auto" else "fixed turboquant")
+        ax.errorbar(x, y, yerr=err, fmt=style, color=color, capsize=3, label=labels[group])
         for r in pts:
             ax.annotate(r["method"].removeprefix("turboquant:"), (r["ratio_vs_fp16"], r["ppl_delta_pct"]), textcoords="offset points",
                         xytext=(4, 4), fontsize=7)
@@ -112,7 +133,7 @@ def plot(rows: list[dict], path: str, title: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from kvpack.eval.methods import BASELINE
+    from kvpack.eval.methods import BASELINE, MethodUnavailable
     from kvpack.models import load_model
     from kvpack.text import token_stream
 
@@ -127,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--seed", type=int, default=0, help="bootstrap seed")
+    p.add_argument("--merge", help="an earlier JSON of this protocol on this model: its method rows are kept beside these (e.g. peers run later)")
     p.add_argument("--json", required=True)
     p.add_argument("--plot")
     args = p.parse_args(argv)
@@ -149,9 +171,18 @@ def main(argv: list[str] | None = None) -> int:
     ids = token_stream(tokenizer, args.text, args.context + args.ppl_tokens + 1)
     base_row, base, reference = _run(model, ids, BASELINE, args, None)
     out["rows"].insert(0, base_row)
+    if args.merge:
+        merged = merge(args.merge, args, base.ppl)
+        out["rows"][1:1] = [r for r in merged if r["method"] not in methods]
     print(f"{BASELINE}: ppl {base.ppl:.4f} in {base_row['seconds']:.0f} s", flush=True)
     for method in methods:
-        row, result, _ = _run(model, ids, method, args, reference)
+        try:
+            row, result, _ = _run(model, ids, method, args, reference)
+        except MethodUnavailable as err:  # a peer this model cannot run (e.g. quanto on sliding-window layers): recorded
+            out["rows"].append({"method": method, "status": f"unavailable: {err}"})
+            Path(args.json).write_text(json.dumps(out, indent=1))
+            print(f"{method}: unavailable: {err}", flush=True)
+            continue
         out["rows"].append(_with_delta(row, result, base, args))
         Path(args.json).write_text(json.dumps(out, indent=1))  # after every method: a long run keeps what it measured
         extra = f", predicted KL {row['predicted_kl']:.5f}, met {row['met']}" if "target_pct" in row else ""
