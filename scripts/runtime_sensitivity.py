@@ -40,6 +40,8 @@ def capture(model, ids: torch.Tensor) -> tuple[dict, dict]:
     from transformers.cache_utils import DynamicCache
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    from kvpack.eval.generate import cache_kwargs
+
     qkv, hidden = {}, {}
 
     def record(module, query, key, value, attention_mask, **kwargs):
@@ -53,7 +55,7 @@ def capture(model, ids: torch.Tensor) -> tuple[dict, dict]:
                                              with_kwargs=True) for i, layer in enumerate(model.model.layers)]
     try:
         with torch.no_grad():
-            model(input_ids=ids[None], past_key_values=DynamicCache(config=model.config), use_cache=True)
+            model(input_ids=ids[None], use_cache=True, **cache_kwargs(model, DynamicCache(config=model.config)))
     finally:
         for h in hooks:
             h.remove()

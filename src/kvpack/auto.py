@@ -350,7 +350,9 @@ def _probe_cache(base, method: MethodConfig, layer: int):
 @torch.no_grad()
 def _score(model, cache, ids: torch.Tensor) -> torch.Tensor:
     """Float64 log-probabilities `(tokens, vocab)` of `ids` read through `cache` (which the forward extends)."""
-    logits = model(input_ids=ids.view(1, -1).to(model.device), past_key_values=cache, use_cache=True).logits[0]
+    from .eval.generate import cache_kwargs
+
+    logits = model(input_ids=ids.view(1, -1).to(model.device), use_cache=True, **cache_kwargs(model, cache)).logits[0]
     return F.log_softmax(logits.double(), dim=-1)  # float64: a KL of 1e-6 nats is a difference of nearly equal sums
 
 

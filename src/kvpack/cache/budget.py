@@ -179,13 +179,15 @@ def _prefill(model, ids: torch.Tensor, layer):
     """An exact prefill of `ids (batch, n)` into a fresh DynamicCache, with the cache's padding and positions."""
     from transformers import DynamicCache
 
+    from ..eval.generate import cache_kwargs
+
     kwargs = {}
     if layer.pad is not None:
         idx = torch.arange(ids.shape[1], device=ids.device)
         kwargs["attention_mask"] = (idx[None, :] >= layer.pad.to(ids.device)[:, None]).long()
         kwargs["position_ids"] = (idx[None, :] + layer.pos_offset.to(ids.device)[:, None]).clamp_min(0)
     dyn = DynamicCache(config=model.config)
-    model(ids, past_key_values=dyn, use_cache=True, **kwargs)
+    model(ids, use_cache=True, **cache_kwargs(model, dyn), **kwargs)
     return dyn
 
 

@@ -2,7 +2,21 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
+
 import torch
+
+
+@functools.cache
+def _cache_name(forward_fn) -> str:
+    return "cache" if "cache" in inspect.signature(forward_fn).parameters else "past_key_values"
+
+
+def cache_kwargs(model, cache) -> dict:
+    """{name: cache} for `model`'s forward: `cache` where it takes it (transformers >= 5.2x, where `past_key_values`
+    is deprecated and goes in 5.40), else `past_key_values` (earlier 5.x)."""
+    return {_cache_name(type(model).forward): cache}
 
 
 @torch.no_grad()
@@ -10,7 +24,7 @@ def forward(model, ids: torch.Tensor, cache, last_only: bool = True) -> torch.Te
     """Append `ids` ([T] or [1, T]) to `cache`; returns the logits [1, T or 1, vocab] (last position only by default)."""
     ids = ids.view(1, -1).to(model.device)
     kwargs = {"logits_to_keep": 1} if last_only else {}
-    return model(input_ids=ids, past_key_values=cache, use_cache=True, **kwargs).logits
+    return model(input_ids=ids, use_cache=True, **cache_kwargs(model, cache), **kwargs).logits
 
 
 @torch.no_grad()
