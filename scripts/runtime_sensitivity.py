@@ -35,31 +35,18 @@ def spearman(a: list[float], b: list[float]) -> float:
 
 
 def capture(model, ids: torch.Tensor) -> tuple[dict, dict]:
-    """One prefill through an attention function that records (q, k, v) per layer, and each layer's input hidden state."""
-    from transformers import AttentionInterface
-    from transformers.cache_utils import DynamicCache
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    """One prefill: each layer's RoPE'd (q, k, v) (kvpack.bench.shard.prompt_qkv) and the hidden state entering it."""
+    from kvpack.bench.shard import prompt_qkv
 
-    from kvpack.eval.generate import cache_kwargs
-
-    qkv, hidden = {}, {}
-
-    def record(module, query, key, value, attention_mask, **kwargs):
-        qkv[module.layer_idx] = (query.detach(), key.detach(), value.detach())
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-
-    AttentionInterface.register("kvpack-record", record)
-    previous = model.config._attn_implementation
-    model.set_attn_implementation("kvpack-record")
+    hidden = {}
     hooks = [layer.register_forward_pre_hook(lambda mod, args, kwargs, i=i: hidden.__setitem__(i, (args[0] if args else kwargs["hidden_states"]).detach()),
                                              with_kwargs=True) for i, layer in enumerate(model.model.layers)]
     try:
         with torch.no_grad():
-            model(input_ids=ids[None], use_cache=True, **cache_kwargs(model, DynamicCache(config=model.config)))
+            qkv = prompt_qkv(model, ids[None])
     finally:
         for h in hooks:
             h.remove()
-        model.set_attn_implementation(previous)
     return qkv, hidden
 
 

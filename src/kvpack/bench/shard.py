@@ -322,7 +322,7 @@ def _plot_curve(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def _prompt_qkv(model, ids: torch.Tensor) -> dict[int, tuple[torch.Tensor, ...]]:
+def prompt_qkv(model, ids: torch.Tensor) -> dict[int, tuple[torch.Tensor, ...]]:
     """Each layer's RoPE'd query, key and value `(1, heads, tokens, d)` float32 from one prefill, via SDPA."""
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -368,7 +368,7 @@ def run_layers(name: str, prefix: int, out: Path) -> None:
 
     model, tok = _load(name)
     ids = token_stream(tok, "news", prefix)[None]
-    qkv = _prompt_qkv(model, ids)
+    qkv = prompt_qkv(model, ids)
     layers = kvpack.KVCache(model, "shard").layers
     base = kvpack.get_method("shard")
     sides = {
