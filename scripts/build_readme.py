@@ -100,7 +100,7 @@ def auto_rows(results: Path, everything: bool = False) -> str:
                 continue
             status = row.get("status", "ok")
             if status != "ok":
-                why = ("infeasible: 4 bits everywhere is predicted above the target" if status.startswith("infeasible")
+                why = ("infeasible: the widest width everywhere is predicted above the target" if status.startswith("infeasible")
                        else status.split(":")[0] + " on this model")
                 lines.append(f"| {model} | `{method}` | - | - | - | - | {why} |")
                 continue

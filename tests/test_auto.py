@@ -157,14 +157,14 @@ def _synthetic_profile(layers: int = 8, seed: int = 0) -> dict:
     codecs = {side: {str(b): {"codec": spec.codec, "options": spec.options} for b in auto.BITS for spec in [auto.codec_spec(side, b)]} for side in auto.SIDES}
     return {
         "format": auto.PROFILE_FORMAT, "version": auto.PROFILE_VERSION, "layers": list(range(layers)), "bits": list(auto.BITS),
-        "head_dim": 64, "kv_heads": 2, "codecs": codecs, "block_bytes": {side: {"2": 2304, "3": 3328, "4": 4352} for side in auto.SIDES},
+        "head_dim": 64, "kv_heads": 2, "codecs": codecs, "block_bytes": {side: {"2": 2304, "3": 3328, "4": 4352, "8": 8448} for side in auto.SIDES},
         "sensitivity": records, "fingerprint": {},
     }
 
 
 def test_looser_targets_never_cost_more_bytes_and_stay_within_budget():
     profile = _synthetic_profile()
-    floor = sum(r["kl"] for r in profile["sensitivity"] if r["bits"] == 4)
+    floor = sum(r["kl"] for r in profile["sensitivity"] if r["bits"] == max(auto.BITS))
     previous = math.inf
     for target in [math.expm1(floor) * f for f in (1.01, 1.2, 1.5, 2, 3, 5, 8, 16, 64)] + [0.5]:
         info = auto.summary(auto.method_from_profile(profile, target), profile)
@@ -176,20 +176,24 @@ def test_looser_targets_never_cost_more_bytes_and_stay_within_budget():
 def test_method_from_profile_mixes_widths_and_an_impossible_target_says_the_floor():
     profile = _synthetic_profile()
     method = auto.method_from_profile(profile, 0.01)
-    widths = {(layer, side): getattr(method.for_layer(layer), side).options["bits"] for layer in range(8) for side in auto.SIDES}
+    widths = {(layer, side): auto.spec_bits(getattr(method.for_layer(layer), side)) for layer in range(8) for side in auto.SIDES}
     assert len(set(widths.values())) > 1 and method.name == "auto:1%"
     assert method.for_layer(5).key == auto.codec_spec("key", widths[(5, "key")])  # the fixed methods' codecs
-    with pytest.raises(ValueError, match=r"4 bits on every layer is predicted at .* use a looser target"):
+    with pytest.raises(ValueError, match=r"int8 on every layer is predicted at .* use a looser target or the fp16 method$"):
         auto.method_from_profile(profile, 1e-6)
+    old = profile | {"bits": [2, 3, 4], "sensitivity": [r for r in profile["sensitivity"] if r["bits"] != 8]}  # before the int8 rung
+    assert auto.spec_bits(auto.method_from_profile(old, 0.5).for_layer(0).key) == 2
+    with pytest.raises(ValueError, match=r"4 bits on every layer is predicted at .*, or recalibrate to measure the int8 rung"):
+        auto.method_from_profile(old, 1e-6)
 
 
 def test_a_wider_code_is_never_charged_less_kl():
     profile = _synthetic_profile()
     row = [r for r in profile["sensitivity"] if (r["layer"], r["side"]) == (3, "key")]
     row[1]["kl"] = 10 * row[0]["kl"]  # 3 bits measured worse than 2 (a heavy token)
-    assert auto.sensitivities(profile)[(3, "key")] == [row[1]["kl"], row[1]["kl"], row[2]["kl"]]
+    assert auto.sensitivities(profile)[(3, "key")] == [row[1]["kl"], row[1]["kl"], row[2]["kl"], row[3]["kl"]]
     for target in (0.005, 0.01, 0.02):
-        bits = auto.method_from_profile(profile, target).for_layer(3).key.options["bits"]
+        bits = auto.spec_bits(auto.method_from_profile(profile, target).for_layer(3).key)
         info = auto.summary(auto.method_from_profile(profile, target), profile)
         assert info["predicted_kl"] <= math.log1p(target) and (bits != 2 or row[1]["kl"] <= math.log1p(target))
 
@@ -216,10 +220,10 @@ def test_auto_needs_the_model_and_is_not_in_the_test_matrix():
 # -- profiles -------------------------------------------------------------------------------------------------------
 def test_calibration_table_is_finite_non_negative_and_counts_real_bytes(profile, tiny):
     kl = {(r["layer"], r["side"], r["bits"]): r["kl"] for r in profile["sensitivity"]}
-    assert len(kl) == 2 * 2 * 3 and all(math.isfinite(v) and v >= 0 for v in kl.values())
+    assert len(kl) == 2 * 2 * len(auto.BITS) and all(math.isfinite(v) and v >= 0 for v in kl.values())
     mean = {b: sum(v for (_, _, bits), v in kl.items() if bits == b) / 4 for b in auto.BITS}
-    assert mean[2] >= mean[3] >= mean[4]
-    # 64 tokens x 2 kv heads x (fp16 norm + 64 coordinates at b bits)
+    assert mean[2] >= mean[3] >= mean[4] >= mean[8]
+    # 64 tokens x 2 kv heads x (fp16 norm + 64 coordinates at b bits); int8: an fp16 scale + 64 int8 codes
     assert profile["block_bytes"] == {side: {str(b): 64 * 2 * (2 + 64 * b // 8) for b in auto.BITS} for side in auto.SIDES}
     assert profile["fingerprint"] == auto.fingerprint(tiny[0]) and profile["calibration"]["text"] == "pydoc"
 
@@ -237,7 +241,7 @@ def test_calibration_kl_is_what_real_prefills_give(profile, tiny):
 
     ref = logp(auto._probe(None))
     for record in profile["sensitivity"]:
-        if record["side"] == "value" and record["bits"] in (2, 4):  # the tiny random model reads its values, not keys
+        if record["side"] == "value" and record["bits"] in (2, 4, 8):  # the tiny random model reads its values, not keys
             probe = logp(auto._probe(record["layer"], "value", auto.codec_spec("value", record["bits"])))
             kl = F.kl_div(probe, ref, log_target=True, reduction="none").sum(-1).mean().item()
             assert kl == pytest.approx(record["kl"], rel=1e-6)

@@ -1,9 +1,9 @@
-"""`auto:<target>`: TurboQuant bit widths per layer and per K/V, allocated from a measured profile to a quality target.
+"""`auto:<target>`: bit widths per layer and per K/V (TurboQuant 2-4 bits, int8), allocated from a measured profile to a quality target.
 
 Calibration (once per model: `kvpack calibrate --model NAME`, `calibrate()` here). A prompt of a calibration text
 (pydoc by default: always installed, and not the evaluation's news) is prefilled once; its K/V are then stored by
-one probe cache per (full-attention layer l, K or V, bits b in BITS): TurboQuant at b bits on that one side of
-that one layer, the lossless `fp16` codec everywhere else (sinks, window and block size as the fixed TurboQuant
+one probe cache per (full-attention layer l, K or V, bits b in BITS): TurboQuant at b bits (int8 for b = 8) on that
+one side of that one layer, the lossless `fp16` codec everywhere else (sinks, window and block size as the fixed TurboQuant
 methods). The following tokens are scored in one forward through each cache, and the probe's sensitivity is
 the mean KL divergence of the next-token distribution from the reference cache's (`fp16` on every layer):
 
@@ -48,7 +48,11 @@ from .registry import CodecSpec, LayerCodecs, MethodConfig, get_method
 
 PROFILE_FORMAT = "kvpack-profile"
 PROFILE_VERSION = 1
-BITS = (2, 3, 4)  # TurboQuant widths a layer may take; 4 is always allowed
+# Widths a (layer, side) may take: TurboQuant at 2, 3 and 4 bits, and 8 = the `int8` codec, for the few layers whose
+# keys even 4 bits cannot hold (SmolLM2's layer-18 keys cost 0.032 nats at 4 bits in an 8K pydoc context, 77% of the
+# whole cache's predicted loss: without an 8-bit rung no target under +4.2% was reachable there).
+BITS = (2, 3, 4, 8)
+INT8 = 8
 SIDES = ("key", "value")
 BLOCK = 64  # tokens per encoded block whose bytes are the allocation's costs (the methods' block_size)
 SAMPLE = 4096  # values per parameter in the weight digest
@@ -74,9 +78,18 @@ def target_name(target: float) -> str:
 
 
 def codec_spec(side: str, bits: int) -> CodecSpec:
-    """The codec of `side` at `bits`, exactly as the fixed `turboquant:kXvY` methods build it."""
-    method = get_method(f"turboquant:k{bits}v{bits}")
+    """The codec of `side` at `bits`, exactly as the fixed methods build it (`turboquant:kXvY`; `int8` for 8)."""
+    method = get_method("int8" if bits == INT8 else f"turboquant:k{bits}v{bits}")
     return method.key if side == "key" else method.value
+
+
+def _width_name(bits: int) -> str:
+    return "int8" if bits == INT8 else f"{bits} bits"
+
+
+def spec_bits(spec: CodecSpec) -> int:
+    """The width `codec_spec` built `spec` for."""
+    return INT8 if spec.codec == "int8" else int(spec.options["bits"])
 
 
 def block_bytes(spec: CodecSpec, head_dim: int, kv_heads: int) -> int:
@@ -244,7 +257,7 @@ def sensitivities(profile: dict) -> dict[tuple[int, str], list[float]]:
 
 
 def method_from_profile(profile: dict, target: float) -> MethodConfig:
-    """The `auto` method for a perplexity target (a fraction): per-layer TurboQuant widths within log(1 + target) of KL."""
+    """The `auto` method for a perplexity target (a fraction): per-layer widths within log(1 + target) of KL."""
     bits = [str(b) for b in profile["bits"]]
     items = [(layer, side) for layer in profile["layers"] for side in SIDES]
     sens = sensitivities(profile)
@@ -255,9 +268,9 @@ def method_from_profile(profile: dict, target: float) -> MethodConfig:
     if picks is None:
         floor = sum(min(row) for row in losses)
         raise ValueError(
-            f"{target_name(target)} asks for at most {budget:.4g} nats of KL per token, but {max(bits)} bits on every layer is "
-            f"predicted at {floor:.4g} (about +{100 * math.expm1(floor):.2g}% perplexity) by this model's profile: use a looser target "
-            "or a higher-precision method (e.g. int8)"
+            f"{target_name(target)} asks for at most {budget:.4g} nats of KL per token, but {_width_name(max(profile['bits']))} on every layer is "
+            f"predicted at {floor:.4g} (about +{100 * math.expm1(floor):.2g}% perplexity) by this model's profile: use a looser target"
+            + (" or the fp16 method" if INT8 in profile["bits"] else ", or recalibrate to measure the int8 rung (kvpack calibrate)")
         )
     chosen = {item: bits[j] for item, j in zip(items, picks, strict=True)}
     spec = {(side, b): CodecSpec(profile["codecs"][side][b]["codec"], dict(profile["codecs"][side][b]["options"])) for side in SIDES for b in bits}
@@ -265,7 +278,7 @@ def method_from_profile(profile: dict, target: float) -> MethodConfig:
     for layer in profile["layers"]:
         pairs.setdefault((chosen[(layer, "key")], chosen[(layer, "value")]), []).append(layer)
     entries = tuple(LayerCodecs(tuple(layers), spec[("key", kb)], spec[("value", vb)]) for (kb, vb), layers in sorted(pairs.items()))
-    top = max(bits)
+    top = str(max(profile["bits"]))
     # Every profiled layer has an entry; the base pair (widest) would serve only layers the profile lacks, and none are.
     return MethodConfig(target_name(target), spec[("key", top)], spec[("value", top)], layer_codecs=entries)
 
@@ -283,14 +296,14 @@ def summary(method: MethodConfig, profile: dict) -> dict:
     layers, K and V; sinks and window not counted) and their ratio to fp16, and the KL the profile predicts."""
     sens = sensitivities(profile)
     widths = [(layer, side, method.for_layer(layer).key if side == "key" else method.for_layer(layer).value) for layer in profile["layers"] for side in SIDES]
-    bits = [spec.options["bits"] for _, _, spec in widths]
-    nbytes = sum(profile["block_bytes"][side][str(spec.options["bits"])] for _, side, spec in widths) / BLOCK
+    bits = [spec_bits(spec) for _, _, spec in widths]
+    nbytes = sum(profile["block_bytes"][side][str(b)] for (_, side, _), b in zip(widths, bits, strict=True)) / BLOCK
     fp16 = len(profile["layers"]) * len(SIDES) * profile["kv_heads"] * profile["head_dim"] * 2
     return {
         "mean_bits": sum(bits) / len(bits),
         "compressed_bytes_per_token": nbytes,
         "compressed_ratio_vs_fp16": fp16 / nbytes,
-        "predicted_kl": sum(sens[(layer, side)][profile["bits"].index(spec.options["bits"])] for layer, side, spec in widths),
+        "predicted_kl": sum(sens[(layer, side)][profile["bits"].index(b)] for (layer, side, _), b in zip(widths, bits, strict=True)),
     }
 
 
@@ -302,7 +315,7 @@ class CalibrationConfig:
         context: the KL of SmolLM2's auto:1% (profiled at 1024) on news was 0.0094 / 0.0142 / 0.0199 nats at 1K / 2K / 4K,
         so the default is the 2K context kvpack's comparisons use; profile at your context with `--prefix`.
     tokens: tokens scored after the prompt in one forward, each reading the probe cache.
-    offset: first token of the text used. bits: TurboQuant widths measured.
+    offset: first token of the text used. bits: widths measured (TurboQuant 2/3/4, int8 as 8).
     """
 
     text: str = "pydoc"
@@ -318,8 +331,8 @@ class CalibrationConfig:
             raise ValueError(f"text must be one of {sorted(TEXTS)}, got {self.text!r}")
         if self.prefix < 2 * BLOCK or self.tokens < 1 or self.offset < 0:
             raise ValueError(f"need prefix >= {2 * BLOCK}, tokens >= 1, offset >= 0; got {self.prefix}, {self.tokens}, {self.offset}")
-        if not self.bits or any(b not in BITS for b in self.bits) or max(self.bits) != max(BITS):
-            raise ValueError(f"bits must be widths from {BITS} including {max(BITS)}, got {self.bits!r}")
+        if not self.bits or any(b not in BITS for b in self.bits) or tuple(sorted(set(self.bits))) != tuple(self.bits):
+            raise ValueError(f"bits must be distinct widths from {BITS} (8: int8) in increasing order, got {self.bits!r}")
 
 
 def _probe(layer: int | None, side: str = "key", spec: CodecSpec | None = None) -> MethodConfig:

@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     for m in [m for m in methods if m.startswith("auto:")]:
         try:
             auto.auto_method(model, m)
-        except ValueError as err:  # a target below what 4 bits everywhere is predicted to reach: recorded, not run
+        except ValueError as err:  # a target below what the widest width everywhere is predicted to reach: recorded, not run
             out["rows"].append({"method": m, "status": f"infeasible: {err}"})
             methods.remove(m)
             print(f"{m}: {err}", flush=True)
