@@ -11,7 +11,7 @@ README.md is docs/readme/*.md (PARTS, in order); docs/NAME.md is docs/templates/
     {{decode_speed:NAME}}  only bench/results/decode-NAME.json
     {{profile_summary}}  bench/results/profiles/*.json: where each model loses (kvpack.bench.profile_plot)
     {{auto_table}}    bench/results/auto-*-2k.json: auto:<target> beside the default and turboquant:k4v4 on each model (auto_rows)
-    {{auto_table:all}}  the same with every row of those runs (fixed widths and peers)
+    {{auto_table:all}}  the same with every row of those runs (fixed widths and peers); {{auto_table:8k}} every row at 8K
 Every other page under docs/ is static markdown.
 """
 
@@ -80,9 +80,9 @@ AUTO_MODELS = ("smollm2-135m", "qwen2.5-0.5b", "gemma3-270m")
 AUTO_FIXED = ("turboquant:k3v2", "turboquant:k4v4")
 
 
-def auto_rows(results: Path, everything: bool = False) -> str:
+def auto_rows(results: Path, everything: bool = False, context: str = "2k") -> str:
     """Each model's `python -m kvpack.bench.auto` run: every auto target and the two fixed widths a user weighs it against
-    (`everything`: every row, peers included). "compressed" is the compressed tokens' ratio to fp16 (the allocation's own
+    (`everything`: every row, peers included) at `context` (its profiles in profiles/ for 2k, else profiles-<context>/). "compressed" is the compressed tokens' ratio to fp16 (the allocation's own
     unit), "cache" the whole cache's real bytes after the prefill; an infeasible target says so. A fixed width's bits,
     bytes and predicted KL come from the profile committed beside the runs (bench/results/profiles/)."""
     from kvpack.auto import summary
@@ -91,7 +91,7 @@ def auto_rows(results: Path, everything: bool = False) -> str:
     lines = ["| model | method | bits (mean) | x fp16: compressed / cache | ppl delta [95%] | KL measured / predicted | within target |",
              "|---|---|---:|---:|---:|---:|---|"]
     for model in AUTO_MODELS:
-        path = results / f"auto-{model}-2k.json"
+        path = results / f"auto-{model}-{context}.json"
         if not path.exists():
             continue
         for row in json.loads(path.read_text())["rows"]:
@@ -106,7 +106,8 @@ def auto_rows(results: Path, everything: bool = False) -> str:
                 continue
             lo, hi = row["ppl_delta_ci"]
             if "mean_bits" not in row and method.startswith("turboquant:"):
-                row = row | summary(get_method(method), json.loads((results / "profiles" / f"{model}.json").read_text()))
+                profiles = results / ("profiles" if context == "2k" else f"profiles-{context}")
+                row = row | summary(get_method(method), json.loads((profiles / f"{model}.json").read_text()))
             bits = f"{row['mean_bits']:.2f}" if "mean_bits" in row else "-"
             ratio = f"{row['compressed_ratio_vs_fp16']:.2f}x / " if "compressed_ratio_vs_fp16" in row else "- / "
             kl = f"{row['kl']:.4f} / " + (f"{row['predicted_kl']:.4f}" if "predicted_kl" in row else "-")
@@ -162,7 +163,8 @@ def render(text: str, results: Path = RESULTS) -> str:
     text = re.sub(r"\{\{summary:([\w.\-]+)\}\}", lambda m: summary_table(results / f"compare-{m[1]}.json"), text)
     text = re.sub(r"\{\{decode_speed:([\w.\-]+)\}\}", lambda m: decode_speed(results, m[1]), text)
     text = text.replace("{{shard_targets}}", shard_rows(results)).replace("{{decode_speed}}", decode_speed(results))
-    text = text.replace("{{auto_table}}", auto_rows(results)).replace("{{auto_table:all}}", auto_rows(results, everything=True)).replace("{{profile_summary}}", profile_summary(results))
+    text = text.replace("{{auto_table}}", auto_rows(results)).replace("{{auto_table:all}}", auto_rows(results, everything=True))
+    text = text.replace("{{auto_table:8k}}", auto_rows(results, everything=True, context="8k")).replace("{{profile_summary}}", profile_summary(results))
     if "{{" in text:
         raise ValueError(f"unknown placeholder: {re.search(r'{{[^}]*}}', text)[0]}")
     return text

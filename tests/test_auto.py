@@ -275,8 +275,9 @@ def test_missing_profile_names_the_command(profiles):
         (lambda text, p: json.dumps({**p, "sensitivity": p["sensitivity"][1:]}), "damaged calibration profile"),
         (lambda text, p: text.replace('"kl": ', '"kl": NaN, "was": ', 1), "damaged calibration profile"),
         (lambda text, p: json.dumps({**p, "block_bytes": {}}), "damaged calibration profile"),
+        (lambda text, p: json.dumps({**p, "bits": p["bits"][::-1]}), r"damaged calibration profile \(ValueError: bits \[8, 4, 3, 2\] are not distinct"),
     ],
-    ids=["truncated", "format", "version", "missing-probe", "nan-kl", "no-bytes"],
+    ids=["truncated", "format", "version", "missing-probe", "nan-kl", "no-bytes", "unordered-bits"],
 )
 def test_damaged_profile_is_refused_naming_the_file(tiny, profile, tmp_path, damage, match):
     path = auto.save_profile(profile, tmp_path / "p.json")

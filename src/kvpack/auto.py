@@ -191,6 +191,8 @@ def _check_profile(profile, path: Path, command: str) -> None:
         raise ProfileError(f"{path} has profile version {profile.get('version')!r}, this kvpack reads {PROFILE_VERSION}; {fix}")
     try:
         layers, bits = profile["layers"], [str(b) for b in profile["bits"]]
+        if list(profile["bits"]) != sorted(set(profile["bits"])) or not set(profile["bits"]) <= set(BITS):
+            raise ValueError(f"bits {profile['bits']!r} are not distinct widths from {BITS} in increasing order")
         seen = {(r["layer"], r["side"], str(r["bits"])): r["kl"] for r in profile["sensitivity"]}
         for side in SIDES:
             for b in bits:
