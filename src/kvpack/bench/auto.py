@@ -157,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     from kvpack import auto
 
     methods = [f"auto:{t}%" for t in args.targets.split(",") if t] + [m for m in args.fixed.split(",") if m]
+    requested = set(methods)  # what this run answers for, infeasible targets included: a merge keeps only the rest
     model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype))
     profile = auto.load_profile(model)  # a missing profile fails now, not after the baseline
     out = {"environment": environment(PROG, argv), "config": vars(args), "profile": {"path": str(auto.profile_path(model)),
@@ -173,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     out["rows"].insert(0, base_row)
     if args.merge:
         merged = merge(args.merge, args, base.ppl)
-        out["rows"][1:1] = [r for r in merged if r["method"] not in methods]
+        out["rows"][1:1] = [r for r in merged if r["method"] not in requested]
     print(f"{BASELINE}: ppl {base.ppl:.4f} in {base_row['seconds']:.0f} s", flush=True)
     for method in methods:
         try:
