@@ -249,7 +249,7 @@ def test_empty_segment():
 
 
 # -- the decode path: fused.ops_segment_partial -----------------------------------------------------------
-def _segment_partial_matches_codec_path(backend: str) -> None:
+def _check_segment_partial_matches_codec_path(backend: str) -> None:
     name, group = "layer-d64", 4
     kc, vc, keys, values, pos = shard_segment(name)
     seg = Segment("prefill", kc, vc, keys, values, start=0)
@@ -267,7 +267,7 @@ def _segment_partial_matches_codec_path(backend: str) -> None:
 @first_process
 @pytest.mark.parametrize("backend", ["auto", "torch"])
 def test_ops_segment_partial_matches_codec_path(backend):
-    _segment_partial_matches_codec_path(backend)
+    _check_segment_partial_matches_codec_path(backend)
 
 
 @in_process
@@ -278,4 +278,4 @@ def test_ops_segment_partial_runs_triton():
         assert ops.implementation("pca_vq_attention", torch.device("cpu")) is triton_shard.pca_vq_attention
     finally:
         ops.set_backend(None)
-    _segment_partial_matches_codec_path("triton")
+    _check_segment_partial_matches_codec_path("triton")
