@@ -12,6 +12,8 @@ import itertools
 import os
 import warnings
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -308,6 +310,83 @@ def test_pca_vq_attention_matches_decoded_reference(key_scope, value_scope, widt
     for a, e in zip(out, _normalized(ref), strict=True):
         # float32 RoPE angles at positions up to ~4K differ from exact phases by ~3e-4 rad
         assert (a - e).abs().max() <= 2e-3 * (1 + e.abs().max())
+
+
+def _cpu_flags() -> set[str]:
+    from pathlib import Path
+
+    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    return set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
+
+
+@pytest.mark.skipif(not Path("/proc/cpuinfo").exists(), reason="reads the CPU's flags from /proc/cpuinfo")
+def test_int8_rebuild_follows_the_cpu():
+    """The build compiles for this CPU: the VNNI rebuild exactly where the CPU has AVX-512 VNNI (never assumed)."""
+    flags = _cpu_flags()
+    assert cpu_lut.int8_rebuild() == ({"avx512_vnni", "avx512bw"} <= flags)
+
+
+@pytest.mark.parametrize("widths", [((16, 4), (16, 4), (9, 4)), ((5, 2), (7, 6), (3, 8), (9, 4)), ((4, 8), (3, 2), (1, 8))])
+def test_pca_integer_rebuild_equals_the_float_rebuild(widths):
+    """The VNNI path (unsigned codes x the int8 folded basis, one scale per column) against the float path on the
+    same segment: the same numbers to float rounding, since the folded basis is exactly int8 x its scales."""
+    if not cpu_lut.int8_rebuild():
+        pytest.skip("this CPU's build has no integer rebuild (no AVX-512 VNNI)")
+    kc, vc, gen = _shard_codecs(3, 64, "layer", "layer", widths, 256, True)
+    pos = torch.arange(600)[None] + 1000
+    kp = kc.encode(apply_rope_random(kc, pos, gen), pos)
+    vp = vc.encode(torch.randn(1, 3, 600, 64, generator=gen))
+    keys = kc.kernel_state()
+    integer = keys["int8"]
+    assert integer is not None and integer["w8"].dtype == torch.int8
+    rank = keys["basis_t"].shape[1]
+    w = integer["w8"].permute(0, 1, 3, 2).reshape(1, -1, 192)[:, :rank].float()  # back to (groups, rank, gdim)
+    assert torch.equal(w * integer["col_scale"][:, None], keys["basis_t"])  # exact: the folded basis is int8 x scale
+    q = torch.randn(1, 3, 3, 64, generator=gen)
+    args = (kp.codes, vc.kernel_state(), vp.indices, vp.norm, 0.125)
+    got = cpu_lut.pca_vq_attention(q, pos[:, 0].contiguous(), keys, *args)
+    ref = cpu_lut.pca_vq_attention(q, pos[:, 0].contiguous(), keys | {"int8": None}, *args)
+    for a, e in zip(got, ref, strict=True):
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5 * e.abs().max().item())
+
+
+def apply_rope_random(kc, pos: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """Random keys `(1, kv, t, d)` RoPE'd at `pos` with the codec's own frequencies."""
+    from kvpack.primitives.rope import apply_rope, rope_cos_sin
+
+    cos, sin = rope_cos_sin(pos, kc.rope.inv_freq, kc.rope.scaling)
+    return apply_rope(torch.randn(1, kc.kv_heads, pos.shape[1], kc.head_dim, generator=gen) * 2, cos, sin)
+
+
+def test_int8_basis_refuses_a_basis_that_is_not_int8_per_column():
+    """An fp16-style basis (not int8 x one scale per column) gets no integer form: the float rebuild runs."""
+    if not cpu_lut.int8_rebuild():
+        pytest.skip("this CPU's build has no integer rebuild (no AVX-512 VNNI)")
+    basis_t = torch.randn(1, 12, 64, generator=torch.Generator().manual_seed(3))
+    assert cpu_lut.int8_basis(basis_t, torch.zeros(1, 64), torch.full((12,), 7.0)) is None
+    scale = (torch.rand(1, 64) * 4096).round() / 4096 + 0.5  # 12 mantissa bits: int8 x scale is exact in float32
+    exact = torch.randint(-127, 128, (1, 12, 64)).float()
+    exact[:, 0] = 127  # every column reaches 127, as the codec's fold makes it
+    got = cpu_lut.int8_basis(exact * scale[:, None], torch.zeros(1, 64), torch.full((12,), 7.0))
+    assert got is not None and torch.equal(got["col_scale"], scale)
+    # mean8 turns the unsigned codes (level + 7) back into levels: mean8 = mean - scale * sum_r 7 * w[r]
+    torch.testing.assert_close(got["mean8"], -(scale * 7 * exact.sum(1)), rtol=1e-6, atol=1e-3)
+
+
+def test_softmax_exp_is_accurate_over_the_whole_range():
+    """The kernels' vectorized exp (dense_attention over fp32 K/V) against torch's softmax, on scores spread
+    over hundreds (std ~50): terms from 1 down to those that underflow float32 to 0."""
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 2, 4, 64, generator=gen) * 4
+    k = torch.randn(1, 2, 300, 64, generator=gen) * 3
+    v = torch.randn(1, 2, 300, 64, generator=gen)
+    m, denom, o = cpu_lut.dense_attention(q, k, None, v, None, 0.5)
+    s = (q @ k.mT) * 0.5
+    torch.testing.assert_close(m, s.amax(-1, keepdim=True))
+    # Scores of magnitude ~100 carry ~1e-5 of float32 rounding from the dot products' summation order, which exp
+    # turns into relative error; a wrong exp (a coefficient off, a bad range reduction) is off by far more.
+    torch.testing.assert_close(denom, torch.exp(s - m).sum(-1, keepdim=True), rtol=1e-4, atol=0)
+    torch.testing.assert_close(o / denom, torch.softmax(s, -1) @ v, rtol=1e-4, atol=1e-5)
 
 
 def test_pca_vq_attention_names_the_problem():

@@ -40,11 +40,16 @@ def reference_keys(codec: PCAKeyCodec, packed, positions):
         nbytes = packed_length(n, bits)
         parts.append(unpack_bits(packed.codes[..., start : start + nbytes], bits, n).float() - ((1 << (bits - 1)) - 1))
         start += nbytes
-    coefs = torch.cat(parts, -1) * codec.coef_scale.float()[None, :, None]
-    basis = codec.basis.float() * codec.basis_scale.float()[:, None]
-    k0 = coefs @ basis.transpose(1, 2) + codec.mean.float()[None, :, None]  # (b, groups, t, group_dim)
+    levels = torch.cat(parts, -1)
+    # Components times their coefficient scale, requantized to int8 per row with a scale of 12 mantissa bits.
+    folded = codec.basis.double() * (codec.basis_scale.double() * codec.coef_scale.double())[:, None]
+    amax = folded.abs().amax(2, keepdim=True) / 127
+    exponent = torch.floor(torch.log2(amax)) + 1  # amax = m * 2**exponent, m in [0.5, 1)
+    row = torch.round(amax / 2**exponent * 4096) / 4096 * 2**exponent
+    basis = (folded / row).round().clamp(-127, 127) * row
+    k0 = levels.double() @ basis.transpose(1, 2) + codec.mean.double()[None, :, None]  # (b, groups, t, group_dim)
     b, _, t, _ = k0.shape
-    k0 = k0.transpose(1, 2).reshape(b, t, KV, D).transpose(1, 2)
+    k0 = k0.float().transpose(1, 2).reshape(b, t, KV, D).transpose(1, 2)
     cos, sin = hf_cos_sin(positions, codec.rope.scaling)
     return apply_rotary_pos_emb(k0, k0, cos, sin)[0]
 

@@ -26,6 +26,7 @@ from enum import Enum
 
 import torch
 
+from ..kernels import cpu_lut
 from ..primitives.packing import pack_bits, packed_length, unpack_bits
 from ..primitives.pca import BIT_OPTIONS, allocate_bits, group_variances, modelled_errors, pca, rank_for_energy
 from ..primitives.rope import apply_rope, mix_pairs, relative_cos_sin, undo_rope
@@ -199,6 +200,21 @@ class PCAKeyCodec(UnRopedKeys, Codec):
             basis = basis * self._on("basis_scale", self.basis_scale, device).float().unsqueeze(1)
         return basis
 
+    def _folded(self, device=None) -> torch.Tensor:
+        """The basis codes are read against, `(groups, group_dim, rank)` float32: each component times its
+        coefficient scale. For an int8 basis the product is requantized to int8 with one scale per row
+        (output coordinate), so a rebuild is an integer product of the codes with it (the CPU kernel's VNNI
+        path) plus one scale per coordinate, and decode, scores and every kernel read the same numbers.
+        Derived from the stored state on each call (a few thousand entries), not held beside it; the extra
+        rounding costs ~0.5/127 of a row's largest entry."""
+        folded = self._basis(device) * self._on("coef_scale", self.coef_scale, self.basis.device if device is None else torch.device(device)).float().unsqueeze(1)
+        if self.config.basis_bits == 8:
+            # A 12-bit mantissa keeps every int8 x scale product exact in float32 (the kernel re-derives both).
+            mant, exp = torch.frexp(folded.abs().amax(2, keepdim=True) / 127)  # (groups, group_dim, 1)
+            row = torch.ldexp((mant * 4096).round_() / 4096, exp)
+            folded = (folded / row.clamp_min(1e-30)).round_().clamp_(-127, 127) * row
+        return folded
+
     def _qmax(self) -> torch.Tensor:
         """Largest code magnitude of every stored component `(rank,)` (cached: read on every decode step)."""
         cached = getattr(self, "_qmax_cache", None)
@@ -214,8 +230,9 @@ class PCAKeyCodec(UnRopedKeys, Codec):
 
     def kernel_state(self) -> dict:
         """What `kernels.cpu_lut.pca_vq_attention` reads, derived once per fit: per component the first bit
-        in a packed row, its width and level offset; the basis with both scales folded in, transposed
-        `(groups, rank, group_dim)`; the mean `(groups, group_dim)`; the RoPE frequencies."""
+        in a packed row, its width and level offset; the folded basis (`_folded`), transposed
+        `(groups, rank, group_dim)`; the mean `(groups, group_dim)`; the RoPE frequencies; and the basis'
+        integer form for the VNNI rebuild (`cpu_lut.int8_basis`, None where the kernels have none)."""
         cached = getattr(self, "_kernel_cache", None)
         if cached is not None and cached[0] is self.basis and cached[1] is self.rope:
             return cached[2]
@@ -224,17 +241,18 @@ class PCAKeyCodec(UnRopedKeys, Codec):
             bitpos += [8 * byte + k * b for k in range(n)]
             bits += [b] * n
             byte += packed_length(n, b)
-        basis = self._basis() * self.coef_scale.float().unsqueeze(1)  # (groups, group_dim, rank)
+        basis_t = self._folded().transpose(1, 2).contiguous()  # (groups, rank, group_dim)
         state = {
             "bitpos": torch.tensor(bitpos, dtype=torch.int32),
             "bits": torch.tensor(bits, dtype=torch.uint8),
             "qmax": self._qmax().contiguous(),
-            "basis_t": basis.transpose(1, 2).contiguous(),
+            "basis_t": basis_t,
             "mean": self.mean.float().contiguous(),
             "inv_freq": self.rope.inv_freq.float().contiguous(),
             "rope_scale": self.rope.scaling,
             "row_bytes": byte,
         }
+        state["int8"] = cpu_lut.int8_basis(state["basis_t"], state["mean"], state["qmax"])  # None without a VNNI build
         self._kernel_cache = (self.basis, self.rope, state)
         return state
 
@@ -281,7 +299,7 @@ class PCAKeyCodec(UnRopedKeys, Codec):
         self.mean = result.mean.half()
         # Absmax scales, not MSE-optimal clipping: clipping lowers the key error but clips the rare
         # large-coefficient tokens attention targets (measured on SmolLM2: attention error 0.16 vs 0.09).
-        coefs = self._project(x0.cpu())
+        coefs = self._project(x0.cpu(), self._basis())
         absmax = coefs.abs().amax((0, 2)).clamp_min(1e-8)  # (groups, rank)
         self.coef_scale = (absmax / self._qmax()).half()
 
@@ -313,9 +331,10 @@ class PCAKeyCodec(UnRopedKeys, Codec):
                 return r
         return basis.shape[-1]
 
-    def _project(self, x0: torch.Tensor) -> torch.Tensor:
-        """Least-squares coefficients against the *dequantized* basis: `(b, groups, t, D) -> (b, groups, t, rank)`."""
-        basis = self._basis(x0.device).double()
+    def _project(self, x0: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
+        """Least-squares coefficients against `basis (groups, D, rank)` as stored (dequantized):
+        `(b, groups, t, D) -> (b, groups, t, rank)`."""
+        basis = basis.to(x0.device).double()
         proj = basis @ torch.linalg.pinv(basis.transpose(1, 2) @ basis)  # (groups, D, rank)
         centered = x0 - self._on("mean", self.mean, x0.device).float()[None, :, None]
         return centered @ proj.float()
@@ -325,9 +344,9 @@ class PCAKeyCodec(UnRopedKeys, Codec):
         if not self.fitted:
             self.fit(x, positions)
         x0 = self._unroped(x, positions)
-        coefs = self._project(x0)  # (b, groups, t, rank)
-        qmax, scale = self._on("qmax", self._qmax(), x.device), self._on("coef_scale", self.coef_scale, x.device).float()[None, :, None]
-        levels = (coefs / scale).round_().clamp_(-qmax, qmax) + qmax  # offset to unsigned codes
+        levels = self._project(x0, self._folded(x.device))  # (b, groups, t, rank), in units of each level
+        qmax = self._on("qmax", self._qmax(), x.device)
+        levels = levels.round_().clamp_(-qmax, qmax) + qmax  # offset to unsigned codes
         parts, start = [], 0
         for n, bits in self.segments:
             parts.append(pack_bits(levels[..., start : start + n].to(torch.uint8), bits))
@@ -347,8 +366,8 @@ class PCAKeyCodec(UnRopedKeys, Codec):
         return torch.cat(parts, -1).float() - self._on("qmax", self._qmax(), codes.device)
 
     def decode(self, packed: PCAPacked, positions: torch.Tensor | None = None) -> torch.Tensor:
-        coefs = self._levels(packed.codes) * self._on("coef_scale", self.coef_scale, packed.codes.device).float()[None, :, None]
-        x0 = coefs @ self._basis(coefs.device).transpose(1, 2) + self._on("mean", self.mean, coefs.device).float()[None, :, None]
+        levels = self._levels(packed.codes)
+        x0 = levels @ self._folded(levels.device).transpose(1, 2) + self._on("mean", self.mean, levels.device).float()[None, :, None]
         keys = self._from_groups(x0)
         cos, sin = self._cos_sin(positions, keys.shape[0], keys.shape[2], keys.device)
         return apply_rope(keys, cos, sin)
@@ -391,7 +410,7 @@ class PCAKeyCodec(UnRopedKeys, Codec):
         # q: (b, groups, heads per group, rows, d/2) halves, rows = (query head in kv group, query position)
         a, bb = group_query(q0, self.kv_heads).reshape(b, groups, per, rows, d).chunk(2, dim=-1)
         # Basis halves with both scales folded in: (groups, heads per group, d/2, rank).
-        basis = (self._basis(q0.device) * self._on("coef_scale", self.coef_scale, q0.device).float().unsqueeze(1)).reshape(groups, per, d, -1)
+        basis = self._folded(q0.device).reshape(groups, per, d, -1)
         bc, bd = basis[:, :, :half].unsqueeze(0).unsqueeze(3), basis[:, :, half:].unsqueeze(0).unsqueeze(3)
         a_, b_ = a.unsqueeze(-1), bb.unsqueeze(-1)
         ab = torch.stack((a_ * bc + b_ * bd, b_ * bc - a_ * bd), dim=-3)  # (b, g, per, rows, 2, d/2, rank)

@@ -251,6 +251,39 @@ def dense_attention(q, k, k_scale, v, v_scale, scale: float, validate: bool = Tr
     return tuple(_ext().dense_attention(q, k, ks, v, vs, float(scale)))
 
 
+_NONE, _NONE_I8 = torch.empty(0), torch.empty(0, dtype=torch.int8)  # "no integer form" for the C++ call
+
+
+def int8_rebuild() -> bool:
+    """Whether the built kernels rebuild Shard's keys with integer (VNNI) products: chosen when the
+    extension compiles for this CPU (`-march=native`), so an AVX2-only CPU keeps the float rebuild."""
+    return available() and bool(_ext().int8_rebuild())
+
+
+def int8_basis(basis_t: torch.Tensor, mean: torch.Tensor, qmax: torch.Tensor) -> dict[str, torch.Tensor] | None:
+    """basis_t `(groups, rank, gdim)` f32 as int8 x one scale per column, for the VNNI rebuild; None when it is
+    not exactly that (an fp16 basis) or the kernels have no integer rebuild.
+
+    A column's scale is its largest magnitude / 127 (exact for `PCAKeyCodec`'s folded basis, whose scales carry
+    12 mantissa bits). Returns w8 `(groups, ceil(rank / 4), gdim, 4)` int8 (4 consecutive components per column,
+    zero-padded: VPDPBUSD's operand layout), col_scale `(groups, gdim)` f32 and mean8 = mean - col_scale ·
+    Σ_r qmax[r] w8[r] `(groups, gdim)` f32, which makes the unsigned codes' product equal the levels'.
+    """
+    if not int8_rebuild():
+        return None
+    groups, rank, gdim = basis_t.shape
+    col_scale = basis_t.abs().amax(1) / 127  # (groups, gdim)
+    w = (basis_t / col_scale[:, None].clamp_min(torch.finfo(torch.float32).tiny)).round()
+    if w.abs().max() > 127 or not torch.equal(w * col_scale[:, None], basis_t):
+        return None
+    rank4 = -(-rank // 4)
+    w8 = torch.zeros(groups, 4 * rank4, gdim, dtype=torch.int8)
+    w8[:, :rank] = w.to(torch.int8)
+    mean8 = mean.double() - col_scale.double() * (qmax.double()[None, :, None] * w.double()).sum(1)
+    return {"w8": w8.view(groups, rank4, 4, gdim).permute(0, 1, 3, 2).contiguous(), "col_scale": col_scale.contiguous(),
+            "mean8": mean8.float().contiguous()}
+
+
 def pca_vq_attention(q, pos0, keys: dict, k_codes, v_state: dict, v_idx, v_norm, scale: float, validate: bool = True):
     """Online-softmax partial over a Shard segment: PCA-coefficient keys (RoPE undone) and VQ values.
 
@@ -263,11 +296,13 @@ def pca_vq_attention(q, pos0, keys: dict, k_codes, v_state: dict, v_idx, v_norm,
     Returns m, l (B, kv, R, 1) and o (B, kv, R, d) f32, o in VQ's rotated, channel-normalized space.
     `validate=False`: as in `tq_attention`.
     """
+    integer = keys["int8"] if "int8" in keys else int8_basis(keys["basis_t"], keys["mean"], keys["qmax"])
+    integer = (integer["w8"], integer["col_scale"], integer["mean8"]) if integer is not None else (_NONE_I8, _NONE, _NONE)
     if not validate:
         norm = torch.empty(0) if v_norm is None else v_norm
         return tuple(_ext().pca_vq_attention(q, pos0, keys["inv_freq"], float(keys["rope_scale"]), k_codes, keys["bitpos"], keys["bits"],
                                              keys["qmax"], keys["basis_t"], keys["mean"], v_idx, int(v_state["bits"]), norm,
-                                             v_state["books"], float(scale)))
+                                             v_state["books"], float(scale), *integer))
     q = _check("q", q, torch.float32, (None, None, None, None))
     b, kv, r, d = q.shape
     if r > MAX_FUSED_ROWS:
@@ -289,7 +324,7 @@ def pca_vq_attention(q, pos0, keys: dict, k_codes, v_state: dict, v_idx, v_norm,
             q, _check("pos0", pos0, torch.long, (b,)), _check("inv_freq", keys["inv_freq"], torch.float32, (d // 2,)),
             float(keys["rope_scale"]), k_codes, _check("bitpos", keys["bitpos"], torch.int32, (rank,)),
             _check("bits", keys["bits"], torch.uint8, (rank,)), _check("qmax", keys["qmax"], torch.float32, (rank,)),
-            basis_t, _check("mean", keys["mean"], torch.float32, (groups, gdim)), v_idx, int(vbits), norm, books, float(scale),
+            basis_t, _check("mean", keys["mean"], torch.float32, (groups, gdim)), v_idx, int(vbits), norm, books, float(scale), *integer,
         )
     )
 

@@ -337,12 +337,53 @@ struct Partials {
   }
 };
 
+#ifdef __AVX512F__
+// exp(x) for x <= 0 (scores minus their max), 16 lanes: x = k ln2 + f with |f| <= ln2 / 2 (ln2 split in two so
+// f is exact), a degree-6 Taylor polynomial for exp(f) (relative error < 1.3e-7 there), scaled by 2^k.
+// Below -103 exp underflows float32 to 0, which masked (-inf) scores get exactly. std::exp per element
+// (a libm call each) was ~12% of a Shard decode step.
+inline __m512 exp_nonpositive(__m512 x) {
+  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-103.f), _CMP_GT_OQ);
+  x = _mm512_max_ps(x, _mm512_set1_ps(-103.f));
+  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 f = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693145751953125f), x);
+  f = _mm512_fnmadd_ps(k, _mm512_set1_ps(1.428606765330187e-06f), f);
+  __m512 p = _mm512_set1_ps(1.f / 720.f);
+  for (const float c : {1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f}) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
+  return _mm512_maskz_scalef_ps(live, p, k);
+}
+#endif
+
 // In place: s <- exp(s - max) per row over n tokens (row stride ld); returns (max, sum) per row.
 inline void softmax_rows(float* s, int64_t ld, int R, int64_t n, float* m, float* l) {
   for (int r = 0; r < R; ++r) {
     float* row = s + r * ld;
     float mx = -INFINITY;
+#ifdef __AVX512F__
+    {
+      __m512 vmax = _mm512_set1_ps(-INFINITY);
+      for (int64_t t = 0; t < n; t += 16) {
+        const __mmask16 k = n - t >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - t)) - 1);
+        vmax = _mm512_mask_max_ps(vmax, k, vmax, _mm512_maskz_loadu_ps(k, row + t));
+      }
+      mx = _mm512_reduce_max_ps(vmax);
+      if (mx != -INFINITY) {
+        const __m512 vm = _mm512_set1_ps(mx);
+        __m512 vsum = _mm512_setzero_ps();
+        for (int64_t t = 0; t < n; t += 16) {
+          const __mmask16 k = n - t >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - t)) - 1);
+          const __m512 e = _mm512_maskz_mov_ps(k, exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, row + t), vm)));
+          _mm512_mask_storeu_ps(row + t, k, e);
+          vsum = _mm512_add_ps(vsum, e);
+        }
+        m[r] = mx;
+        l[r] = _mm512_reduce_add_ps(vsum);
+        continue;
+      }
+    }
+#else
     for (int64_t t = 0; t < n; ++t) mx = std::max(mx, row[t]);
+#endif
     if (mx == -INFINITY) {  // every token masked: contributes nothing
       for (int64_t t = 0; t < n; ++t) row[t] = 0.f;
       m[r] = -INFINITY;
@@ -489,6 +530,9 @@ struct PCAKeys {
   const uint8_t* bits;
   const float* basis_t; const float* mean;               // (groups, rank, gdim) scaled basis, (groups, gdim)
   int groups, gdim;
+  // Integer form of basis_t (cpu_lut.int8_basis), null unless given and this build has VNNI:
+  // w8 (groups, rank4, gdim, 4) i8, col_scale and mean8 (groups, gdim) f32.
+  const int8_t* w8 = nullptr; const float* col_scale = nullptr; const float* mean8 = nullptr; int rank4 = 0;
 };
 
 struct VQValues {
@@ -551,6 +595,92 @@ void rebuild_tile(const float* lev, int rank, const float* basis_t, const float*
     }
 }
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+constexpr bool kInt8Rebuild = true;
+
+// Integer rebuild of kTile tokens: out[i][j] = mean8[j] + scale[j] * sum_r code[i][r] * w8[r][j], where the
+// unsigned codes (level + qmax, 0..254) meet the int8 basis in VPDPBUSD: 64 multiply-adds per instruction
+// against 16 for a float FMA. w8 holds 4 consecutive components per column (rank4, gdim, 4); cq holds each
+// token's codes (kTile, 4 * rank4), zero-padded. mean8 = mean - scale * sum_r qmax[r] w8[r] turns codes
+// back into levels exactly (integers in float32).
+template <int NB>
+inline void rebuild_columns_i8(const uint8_t* cq, int rank4, const int8_t* w8, const float* scale, const float* mean8, int gdim,
+                               int j, float* out) {
+  __m512i acc[kTile][NB];
+  for (int i = 0; i < kTile; ++i)
+    for (int c = 0; c < NB; ++c) acc[i][c] = _mm512_setzero_si512();
+  for (int q = 0; q < rank4; ++q) {
+    __m512i w[NB];
+    for (int c = 0; c < NB; ++c) w[c] = _mm512_loadu_si512(w8 + (static_cast<int64_t>(q) * gdim + j + 16 * c) * 4);
+    for (int i = 0; i < kTile; ++i) {
+      int32_t four;
+      std::memcpy(&four, cq + (static_cast<int64_t>(i) * rank4 + q) * 4, sizeof(four));
+      const __m512i a = _mm512_set1_epi32(four);
+      for (int c = 0; c < NB; ++c) acc[i][c] = _mm512_dpbusd_epi32(acc[i][c], a, w[c]);
+    }
+  }
+  for (int c = 0; c < NB; ++c) {
+    const __m512 sv = _mm512_loadu_ps(scale + j + 16 * c), mv = _mm512_loadu_ps(mean8 + j + 16 * c);
+    for (int i = 0; i < kTile; ++i) _mm512_storeu_ps(out + i * gdim + j + 16 * c, _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[i][c]), sv, mv));
+  }
+}
+
+// acc += a (unsigned bytes) . w (signed bytes), per 32-bit lane. Written as asm: with the intrinsic GCC 12
+// copied every accumulator to another register (and spilled two) on each VPDPBUSD of the loop below.
+inline __m512i dpbusd(__m512i acc, __m512i a, __m512i w) {
+  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(w));
+  return acc;
+}
+
+// The 32-column case with its 16 accumulators as named variables, so they stay in registers.
+#define KV_ACC8(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7)
+__attribute__((noinline)) void rebuild_32_i8(const uint8_t* cq, int rank4, const int8_t* w8, const float* scale, const float* mean8, int gdim, int j,
+                          float* out) {
+#define KV_DECL(I) __m512i lo##I = _mm512_setzero_si512(), hi##I = _mm512_setzero_si512();
+  KV_ACC8(KV_DECL)
+#undef KV_DECL
+  const int8_t* wq = w8 + static_cast<int64_t>(j) * 4;
+  const int64_t wstep = static_cast<int64_t>(gdim) * 4, row = static_cast<int64_t>(rank4) * 4;
+  for (int q = 0; q < rank4; ++q, wq += wstep) {
+    const __m512i w0 = _mm512_loadu_si512(wq), w1 = _mm512_loadu_si512(wq + 64);
+#define KV_STEP(I)                                                          \
+    {                                                                       \
+      int32_t four;                                                         \
+      std::memcpy(&four, cq + I * row + 4 * q, sizeof(four));              \
+      const __m512i a = _mm512_set1_epi32(four);                            \
+      lo##I = dpbusd(lo##I, a, w0);                                         \
+      hi##I = dpbusd(hi##I, a, w1);                                         \
+    }
+    KV_ACC8(KV_STEP)
+#undef KV_STEP
+  }
+  const __m512 s0 = _mm512_loadu_ps(scale + j), s1 = _mm512_loadu_ps(scale + j + 16);
+  const __m512 m0 = _mm512_loadu_ps(mean8 + j), m1 = _mm512_loadu_ps(mean8 + j + 16);
+#define KV_STORE(I)                                                                                  \
+  _mm512_storeu_ps(out + I * gdim + j, _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo##I), s0, m0));          \
+  _mm512_storeu_ps(out + I * gdim + j + 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi##I), s1, m1));
+  KV_ACC8(KV_STORE)
+#undef KV_STORE
+}
+#undef KV_ACC8
+static_assert(kTile == 8, "rebuild_32_i8 names one accumulator pair per tile token");
+
+void rebuild_tile_i8(const uint8_t* cq, int rank4, const int8_t* w8, const float* scale, const float* mean8, int gdim, float* out) {
+  int j = 0;
+  for (; j + 32 <= gdim; j += 32) rebuild_32_i8(cq, rank4, w8, scale, mean8, gdim, j, out);
+  for (; j + 16 <= gdim; j += 16) rebuild_columns_i8<1>(cq, rank4, w8, scale, mean8, gdim, j, out);
+  for (; j < gdim; ++j)
+    for (int i = 0; i < kTile; ++i) {
+      int32_t a = 0;
+      for (int k = 0; k < 4 * rank4; ++k) a += cq[i * 4 * rank4 + k] * w8[(static_cast<int64_t>(k >> 2) * gdim + j) * 4 + (k & 3)];
+      out[i * gdim + j] = mean8[j] + scale[j] * static_cast<float>(a);
+    }
+}
+#else
+constexpr bool kInt8Rebuild = false;
+void rebuild_tile_i8(const uint8_t*, int, const int8_t*, const float*, const float*, int, float*) {}
+#endif
+
 // Levels of one packed row into li[r * kTile] (r = component). Byte-aligned runs of 2-, 4- and 8-bit
 // codes take shift-and-mask loops; any other width reads each code through `read_code`.
 std::vector<Run> component_runs(const int32_t* bitpos, const uint8_t* bits, int rank) {
@@ -576,6 +706,35 @@ inline void unpack_levels(const uint8_t* row, const PCAKeys& K, float* li) {
     } else {
       for (int k = 0; k < n; ++k)
         li[(r + k) * kTile] = static_cast<float>(read_code(row, K.nbytes, pos + k * bits, bits)) - K.qmax[r + k];
+    }
+  }
+}
+
+// n codes of a byte-aligned run of BITS-bit codes: a whole byte at a time, with constant shifts.
+template <int BITS>
+inline void unpack_run(const uint8_t* src, int n, uint8_t* out) {
+  constexpr int per = 8 / BITS, mask = (1 << BITS) - 1;
+  int k = 0;
+  for (; k + per <= n; k += per) {
+    const int b = src[k / per];
+    for (int u = 0; u < per; ++u) out[k + u] = static_cast<uint8_t>((b >> (u * BITS)) & mask);
+  }
+  for (; k < n; ++k) out[k] = static_cast<uint8_t>((src[k / per] >> ((k % per) * BITS)) & mask);
+}
+
+// Unsigned codes (level + qmax) of one packed row into cq[0, rank); the caller zero-pads to 4 * rank4.
+inline void unpack_codes(const uint8_t* row, const PCAKeys& K, uint8_t* cq) {
+  for (const Run& run : K.runs) {
+    const int r = run.first, n = run.n, bits = run.bits, pos = run.pos;
+    const uint8_t* src = row + (pos >> 3);
+    if ((pos & 7) == 0 && bits == 8) {
+      std::memcpy(cq + r, src, n);
+    } else if ((pos & 7) == 0 && bits == 4) {
+      unpack_run<4>(src, n, cq + r);
+    } else if ((pos & 7) == 0 && bits == 2) {
+      unpack_run<2>(src, n, cq + r);
+    } else {
+      for (int k = 0; k < n; ++k) cq[r + k] = static_cast<uint8_t>(read_code(row, K.nbytes, pos + k * bits, bits));
     }
   }
 }
@@ -608,17 +767,26 @@ void pca_split_scores(const float* q, const PCAKeys& K, int64_t b, int g, int pe
     c[j] = std::cos(ph);
     sn[j] = std::sin(ph);
   }
+  const bool integer = K.w8 != nullptr;
   for (int64_t tt = 0; tt < n; tt += kTile) {
     const int cnt = static_cast<int>(std::min<int64_t>(kTile, n - tt));
-    for (int i = 0; i < kTile; ++i) {
-      float* li = lev.data() + i;
-      if (i >= cnt) {
-        for (int r = 0; r < rank; ++r) li[r * kTile] = 0.f;
-        continue;
+    if (integer) {  // lev's storage holds kTile rows of 4 * rank4 unsigned codes
+      uint8_t* cq = reinterpret_cast<uint8_t*>(lev.data());
+      std::memset(cq, 0, static_cast<size_t>(kTile) * 4 * K.rank4);
+      for (int i = 0; i < cnt; ++i) unpack_codes(codes + (t0 + tt + i) * K.nbytes, K, cq + static_cast<int64_t>(i) * 4 * K.rank4);
+      const int64_t off = static_cast<int64_t>(g) * gdim;
+      rebuild_tile_i8(cq, K.rank4, K.w8 + off * K.rank4 * 4, K.col_scale + off, K.mean8 + off, gdim, kt.data());
+    } else {
+      for (int i = 0; i < kTile; ++i) {
+        float* li = lev.data() + i;
+        if (i >= cnt) {
+          for (int r = 0; r < rank; ++r) li[r * kTile] = 0.f;
+          continue;
+        }
+        unpack_levels(codes + (t0 + tt + i) * K.nbytes, K, li);
       }
-      unpack_levels(codes + (t0 + tt + i) * K.nbytes, K, li);
+      rebuild_tile(lev.data(), rank, basis_t, mean, gdim, kt.data());
     }
-    rebuild_tile(lev.data(), rank, basis_t, mean, gdim, kt.data());
     for (int i = 0; i < cnt; ++i) {
       float* ci = cs.data() + i * d;
       for (int j = 0; j < half; ++j) {
@@ -818,13 +986,15 @@ std::vector<torch::Tensor> dense_attention(torch::Tensor q, torch::Tensor k, tor
 }
 
 // keys: codes (B, groups, T, nbytes) u8 rows; bitpos (rank,) i32; bits (rank,) u8; qmax (rank,) f32;
-// basis_t (groups, rank, gdim) f32 with coefficient and basis scales folded in; mean (groups, gdim) f32.
+// basis_t (groups, rank, gdim) f32 with coefficient and basis scales folded in; mean (groups, gdim) f32;
+// w8, col_scale, mean8: basis_t's integer form for the VNNI rebuild, or empty tensors.
 // values: idx (B, kv, T, vbytes) u8 rows of vbits-bit indices; norm (B, kv, T, 1) f16 or empty;
 // books (1 or kv, entries, gsize) f32. pos0 (B,) i64: RoPE position of token 0; inv_freq (d/2,) f32.
 std::vector<torch::Tensor> pca_vq_attention(torch::Tensor q, torch::Tensor pos0, torch::Tensor inv_freq, double rope_scale,
                                             torch::Tensor codes, torch::Tensor bitpos, torch::Tensor bits, torch::Tensor qmax,
                                             torch::Tensor basis_t, torch::Tensor mean, torch::Tensor idx, int64_t vbits,
-                                            torch::Tensor norm, torch::Tensor books, double scale) {
+                                            torch::Tensor norm, torch::Tensor books, double scale, torch::Tensor w8,
+                                            torch::Tensor col_scale, torch::Tensor mean8) {
   q = q.contiguous();
   pos0 = pos0.contiguous();
   const int64_t B = q.size(0), kv = q.size(1), R = q.size(2), d = q.size(3), T = codes.size(2);
@@ -839,6 +1009,14 @@ std::vector<torch::Tensor> pca_vq_attention(torch::Tensor q, torch::Tensor pos0,
     VQValues V{idx.data_ptr<uint8_t>(), head_stride(idx, "idx"), static_cast<int>(idx.size(3)), static_cast<int>(vbits),
                norm.numel() ? norm.data_ptr<at::Half>() : nullptr, norm.numel() ? head_stride(norm, "norm") : 0,
                books.data_ptr<float>(), static_cast<int>(books.size(0)), static_cast<int>(books.size(1)), static_cast<int>(books.size(2))};
+    if (kInt8Rebuild && w8.numel()) {
+      TORCH_CHECK(w8.dim() == 4 && w8.size(0) == groups && w8.size(2) == K.gdim && w8.size(3) == 4 && 4 * w8.size(1) >= K.rank,
+                  "w8 must be (groups, ceil(rank / 4), gdim, 4)");
+      K.w8 = w8.data_ptr<int8_t>();
+      K.col_scale = col_scale.data_ptr<float>();
+      K.mean8 = mean8.data_ptr<float>();
+      K.rank4 = static_cast<int>(w8.size(1));
+    }
     std::vector<double> freq(d / 2);
     for (int64_t j = 0; j < d / 2; ++j) freq[j] = inv_freq.data_ptr<float>()[j];
     pca_vq_attention_impl(q.data_ptr<float>(), K, V, pos0.data_ptr<int64_t>(), freq.data(), static_cast<float>(rope_scale), B,
@@ -919,6 +1097,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_scores", &int8_scores, "q . int8 codes, per-token scale factored out");
   m.def("int8_weighted_sum", &int8_weighted_sum, "sum_t p * scale * int8 codes");
   m.def("tq_attention", &tq_attention, "online-softmax partial (m, l, o) over a TurboQuant K/V segment, V in the rotated space");
+  m.def("int8_rebuild", [] { return kInt8Rebuild; }, "whether this build rebuilds Shard keys with VNNI integer products");
   m.def("pca_vq_attention", &pca_vq_attention, "online-softmax partial over Shard's PCA-coefficient keys and VQ values (rotated space)");
   m.def("merge_partials", &merge_partials, "normalized attention from per-part (m, l, o) partials, merged by log-sum-exp");
   m.def("quantize_pack", &quantize_pack, "bucketize against sorted boundaries and bit-pack LSB-first, one pass per row");
