@@ -4,6 +4,8 @@ compressed-domain attention against a plain-softmax reference, and memory accoun
 from __future__ import annotations
 
 import math
+import threading
+import warnings
 
 import pytest
 import torch
@@ -57,6 +59,26 @@ def test_lossless_methods_reproduce_dynamic_cache_greedy(tiny, method, enabled):
     ref = tiny.generate(ids, past_key_values=DynamicCache(config=tiny.config), max_new_tokens=64, do_sample=False)
     out = _generate(tiny, ids, kvpack.KVCache(tiny, method), enabled, do_sample=False)
     assert torch.equal(out, ref)
+
+
+def test_decoding_without_enable_says_once_how_to_compute_on_the_compressed_cache(monkeypatch):
+    """Without kvpack.enable each step widens the compressed segments to float: one RuntimeWarning names the fix;
+    under enable (or before anything is compressed) there is none."""
+    from kvpack.cache import layer as layer_module
+
+    model = _tiny("llama")
+    ids = torch.randint(0, 128, (1, 300), generator=torch.Generator().manual_seed(9))
+    monkeypatch.setattr(layer_module, "_DEQUANTIZE_WARNED", threading.Event())
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        _generate(model, ids, kvpack.KVCache(model, "int8"), True, max_new_tokens=4, do_sample=False)
+        assert not [w for w in seen if "kvpack.enable" in str(w.message)]
+        _generate(model, ids[:, :20], kvpack.KVCache(model, "int8"), False, max_new_tokens=4, do_sample=False)
+        assert not [w for w in seen if "kvpack.enable" in str(w.message)]  # 24 tokens: nothing compressed yet
+        _generate(model, ids, kvpack.KVCache(model, "int8"), False, max_new_tokens=8, do_sample=False)
+        _generate(model, ids, kvpack.KVCache(model, "int8"), False, max_new_tokens=8, do_sample=False)
+    hits = [w for w in seen if "kvpack.enable(model)" in str(w.message)]
+    assert len(hits) == 1 and hits[0].category is RuntimeWarning and "dequantizes" in str(hits[0].message)
 
 
 def test_left_padded_batch_matches_dynamic_cache(tiny):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import math
 import threading
+import warnings
 
 import torch
 from transformers.cache_utils import CacheLayerMixin
@@ -25,6 +26,22 @@ from .blocks import BlockRun
 # no layer tag on its keys (code between update and attention rebuilt the tensor), it can tell that
 # attention would silently run over the new tokens only, and refuse.
 PENDING = threading.local()
+
+_DEQUANTIZE_WARNED = threading.Event()  # once per process: the advice is the same for every cache and layer
+
+
+def _warn_dequantizing(layer_idx: int) -> None:
+    """Say once that an update is widening compressed segments to float because kvpack attention is off."""
+    if _DEQUANTIZE_WARNED.is_set():
+        return
+    _DEQUANTIZE_WARNED.set()
+    warnings.warn(
+        f"kvpack attention is not enabled for this model, so each forward dequantizes the compressed cache to float (layer "
+        f"{layer_idx} first): the same numbers, but slower than an uncompressed cache. Call kvpack.enable(model) once "
+        "before generate() to compute attention on the compressed segments.",
+        RuntimeWarning,
+        stacklevel=4,
+    )
 # Prompt queries kept for a codec fit that measures attention scores: 128 rows x all heads is a
 # few hundred KB at most, and enough to rank a basis (docs/shard.md).
 FIT_QUERIES = 128
@@ -257,6 +274,8 @@ class KVPackLayer(CacheLayerMixin):
             self.pending_attention = True
             PENDING.layer = self
             return key_states, value_states
+        if self.segments:
+            _warn_dequantizing(self.layer_idx)
         keys, values = self.dequantized()
         self.flush()
         return keys, values
