@@ -172,7 +172,7 @@ def _ops_decode(layer: KVPackLayer, q: torch.Tensor, query: torch.Tensor, scalin
 
 def _first_position(layer: KVPackLayer, seg):
     """`() -> (b,)` RoPE position of `seg`'s first token, for the kernels of codecs that store keys without RoPE."""
-    return lambda: layer.positions(seg.start, 1)[:, 0].contiguous()
+    return lambda: layer.first_position(seg.start)
 
 
 def _codec_partial(layer: KVPackLayer, seg, query: torch.Tensor, scaling: float) -> fused.Partial:

@@ -540,6 +540,14 @@ class KVPackLayer(CacheLayerMixin):
         idx = torch.arange(start, start + count, device=self.device).unsqueeze(0).expand(self.batch, -1)
         return idx if self.pos_offset is None else idx + self.pos_offset.unsqueeze(1)
 
+    def first_position(self, start: int) -> torch.Tensor:
+        """`(batch,)` RoPE position of logical token `start`, kept while the row offsets and batch are unchanged:
+        a RoPE-free codec's kernel reads it for its segment on every decode step."""
+        hit = getattr(self, "_first_position", None)
+        if hit is None or hit[0] != start or hit[1] is not self.pos_offset or hit[2].shape[0] != self.batch or hit[2].device != self.device:
+            hit = self._first_position = (start, self.pos_offset, self.positions(start, 1)[:, 0].contiguous())
+        return hit[2]
+
     def set_positions(self, position_ids: torch.Tensor | None, q_len: int) -> None:
         """Learn each row's position offset (left padding) from the model's `position_ids`."""
         if position_ids is None or self.pos_offset is not None or self.pad is not None:
