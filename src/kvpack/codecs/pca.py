@@ -26,7 +26,6 @@ from enum import Enum
 
 import torch
 
-from ..kernels import cpu_lut
 from ..primitives.packing import pack_bits, packed_length, unpack_bits
 from ..primitives.pca import BIT_OPTIONS, allocate_bits, group_variances, modelled_errors, pca, rank_for_energy
 from ..primitives.rope import apply_rope, mix_pairs, relative_cos_sin, undo_rope
@@ -231,8 +230,8 @@ class PCAKeyCodec(UnRopedKeys, Codec):
     def kernel_state(self) -> dict:
         """What `kernels.cpu_lut.pca_vq_attention` reads, derived once per fit: per component the first bit
         in a packed row, its width and level offset; the folded basis (`_folded`), transposed
-        `(groups, rank, group_dim)`; the mean `(groups, group_dim)`; the RoPE frequencies; and the basis'
-        integer form for the VNNI rebuild (`cpu_lut.int8_basis`, None where the kernels have none)."""
+        `(groups, rank, group_dim)`; the mean `(groups, group_dim)`; the RoPE frequencies. The CPU launcher adds
+        the basis' integer form for its VNNI rebuild on first use (`cpu_lut.int8_basis`)."""
         cached = getattr(self, "_kernel_cache", None)
         if cached is not None and cached[0] is self.basis and cached[1] is self.rope:
             return cached[2]
@@ -252,7 +251,6 @@ class PCAKeyCodec(UnRopedKeys, Codec):
             "rope_scale": self.rope.scaling,
             "row_bytes": byte,
         }
-        state["int8"] = cpu_lut.int8_basis(state["basis_t"], state["mean"], state["qmax"])  # None without a VNNI build
         self._kernel_cache = (self.basis, self.rope, state)
         return state
 

@@ -292,11 +292,14 @@ def pca_vq_attention(q, pos0, keys: dict, k_codes, v_state: dict, v_idx, v_norm,
     (bitpos (rank,) i32, bits (rank,) u8, qmax (rank,) f32, basis_t (groups, rank, gdim) f32, mean
     (groups, gdim) f32, inv_freq (d/2,) f32, rope_scale float, row_bytes int); k_codes (B, groups, T, nbytes) u8;
     `v_state` from `VQValueCodec.kernel_state()` (books (1 or kv, entries, gsize) f32, bits int);
-    v_idx (B, kv, T, vbytes) u8; v_norm (B, kv, T, 1) f16 or None. Token-narrowed views allowed.
+    v_idx (B, kv, T, vbytes) u8; v_norm (B, kv, T, 1) f16 or None. Token-narrowed views allowed. `keys` gains
+    "int8" (`int8_basis`, or None) on the first call, so the integer form is derived once per codec fit.
     Returns m, l (B, kv, R, 1) and o (B, kv, R, d) f32, o in VQ's rotated, channel-normalized space.
     `validate=False`: as in `tq_attention`.
     """
-    integer = keys["int8"] if "int8" in keys else int8_basis(keys["basis_t"], keys["mean"], keys["qmax"])
+    if "int8" not in keys:  # derived once: a codec's kernel_state() is cached per fit, so this memoizes there
+        keys["int8"] = int8_basis(keys["basis_t"], keys["mean"], keys["qmax"])
+    integer = keys["int8"]
     integer = (integer["w8"], integer["col_scale"], integer["mean8"]) if integer is not None else (_NONE_I8, _NONE, _NONE)
     if not validate:
         norm = torch.empty(0) if v_norm is None else v_norm
