@@ -605,28 +605,7 @@ constexpr bool kInt8Rebuild = true;
 // unsigned codes (level + qmax, 0..254) meet the int8 basis in VPDPBUSD: 64 multiply-adds per instruction
 // against 16 for a float FMA. w8 holds 4 consecutive components per column (rank4, gdim, 4); cq holds each
 // token's codes (kTile, 4 * rank4), zero-padded. mean8 = mean - scale * sum_r qmax[r] w8[r] turns codes
-// back into levels exactly (integers in float32).
-template <int NB>
-inline void rebuild_columns_i8(const uint8_t* cq, int rank4, const int8_t* w8, const float* scale, const float* mean8, int gdim,
-                               int j, float* out) {
-  __m512i acc[kTile][NB];
-  for (int i = 0; i < kTile; ++i)
-    for (int c = 0; c < NB; ++c) acc[i][c] = _mm512_setzero_si512();
-  for (int q = 0; q < rank4; ++q) {
-    __m512i w[NB];
-    for (int c = 0; c < NB; ++c) w[c] = _mm512_loadu_si512(w8 + (static_cast<int64_t>(q) * gdim + j + 16 * c) * 4);
-    for (int i = 0; i < kTile; ++i) {
-      int32_t four;
-      std::memcpy(&four, cq + (static_cast<int64_t>(i) * rank4 + q) * 4, sizeof(four));
-      const __m512i a = _mm512_set1_epi32(four);
-      for (int c = 0; c < NB; ++c) acc[i][c] = _mm512_dpbusd_epi32(acc[i][c], a, w[c]);
-    }
-  }
-  for (int c = 0; c < NB; ++c) {
-    const __m512 sv = _mm512_loadu_ps(scale + j + 16 * c), mv = _mm512_loadu_ps(mean8 + j + 16 * c);
-    for (int i = 0; i < kTile; ++i) _mm512_storeu_ps(out + i * gdim + j + 16 * c, _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[i][c]), sv, mv));
-  }
-}
+// back into levels exactly (integers in float32). Column blocks go to rebuild_cols_i8 below.
 
 // acc += a (unsigned bytes) . w (signed bytes), per 32-bit lane. Written as asm: with the intrinsic GCC 12
 // copied every accumulator to another register (and spilled two) on each VPDPBUSD of the loop below.
@@ -635,39 +614,39 @@ inline __m512i dpbusd(__m512i acc, __m512i a, __m512i w) {
   return acc;
 }
 
-// 32 or 48 columns (NB = 2 or 3 blocks of 16) with the 8 tokens' accumulators as named variables, so they stay
-// in registers (24 of 32 zmm at NB = 3); each broadcast code word then feeds NB multiply-adds.
+// 16, 32 or 48 columns (NB blocks of 16) with the 8 tokens' accumulators as named variables, so they stay in
+// registers (24 of 32 zmm at NB = 3); each broadcast code word then feeds NB multiply-adds.
 #define KV_ACC8(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7)
 template <int NB>
 __attribute__((noinline)) void rebuild_cols_i8(const uint8_t* cq, int rank4, const int8_t* w8, const float* scale, const float* mean8,
                                                int gdim, int j, float* out) {
-  static_assert(NB == 2 || NB == 3, "32 or 48 columns");
+  static_assert(NB >= 1 && NB <= 3, "16, 32 or 48 columns");
 #define KV_DECL(I) __m512i a0_##I = _mm512_setzero_si512(), a1_##I = _mm512_setzero_si512(), a2_##I = _mm512_setzero_si512();
   KV_ACC8(KV_DECL)
 #undef KV_DECL
   const int8_t* wq = w8 + static_cast<int64_t>(j) * 4;
   const int64_t wstep = static_cast<int64_t>(gdim) * 4, row = static_cast<int64_t>(rank4) * 4;
   for (int q = 0; q < rank4; ++q, wq += wstep) {
-    const __m512i w0 = _mm512_loadu_si512(wq), w1 = _mm512_loadu_si512(wq + 64);
-    const __m512i w2 = NB == 3 ? _mm512_loadu_si512(wq + 128) : w1;
+    const __m512i w0 = _mm512_loadu_si512(wq);
+    const __m512i w1 = NB >= 2 ? _mm512_loadu_si512(wq + 64) : w0, w2 = NB == 3 ? _mm512_loadu_si512(wq + 128) : w0;
 #define KV_STEP(I)                                                          \
     {                                                                       \
       int32_t four;                                                         \
       std::memcpy(&four, cq + I * row + 4 * q, sizeof(four));              \
       const __m512i a = _mm512_set1_epi32(four);                            \
       a0_##I = dpbusd(a0_##I, a, w0);                                       \
-      a1_##I = dpbusd(a1_##I, a, w1);                                       \
+      if (NB >= 2) a1_##I = dpbusd(a1_##I, a, w1);                          \
       if (NB == 3) a2_##I = dpbusd(a2_##I, a, w2);                          \
     }
     KV_ACC8(KV_STEP)
 #undef KV_STEP
   }
-  const __m512 s0 = _mm512_loadu_ps(scale + j), s1 = _mm512_loadu_ps(scale + j + 16);
-  const __m512 m0 = _mm512_loadu_ps(mean8 + j), m1 = _mm512_loadu_ps(mean8 + j + 16);
-  const __m512 s2 = NB == 3 ? _mm512_loadu_ps(scale + j + 32) : s1, m2 = NB == 3 ? _mm512_loadu_ps(mean8 + j + 32) : m1;
+  const __m512 s0 = _mm512_loadu_ps(scale + j), m0 = _mm512_loadu_ps(mean8 + j);
+  const __m512 s1 = NB >= 2 ? _mm512_loadu_ps(scale + j + 16) : s0, m1 = NB >= 2 ? _mm512_loadu_ps(mean8 + j + 16) : m0;
+  const __m512 s2 = NB == 3 ? _mm512_loadu_ps(scale + j + 32) : s0, m2 = NB == 3 ? _mm512_loadu_ps(mean8 + j + 32) : m0;
 #define KV_STORE(I)                                                                                                 \
   _mm512_storeu_ps(out + I * gdim + j, _mm512_fmadd_ps(_mm512_cvtepi32_ps(a0_##I), s0, m0));                        \
-  _mm512_storeu_ps(out + I * gdim + j + 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(a1_##I), s1, m1));                   \
+  if (NB >= 2) _mm512_storeu_ps(out + I * gdim + j + 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(a1_##I), s1, m1));      \
   if (NB == 3) _mm512_storeu_ps(out + I * gdim + j + 32, _mm512_fmadd_ps(_mm512_cvtepi32_ps(a2_##I), s2, m2));
   KV_ACC8(KV_STORE)
 #undef KV_STORE
@@ -679,7 +658,7 @@ void rebuild_tile_i8(const uint8_t* cq, int rank4, const int8_t* w8, const float
   int j = 0;
   for (; j + 48 <= gdim; j += 48) rebuild_cols_i8<3>(cq, rank4, w8, scale, mean8, gdim, j, out);
   for (; j + 32 <= gdim; j += 32) rebuild_cols_i8<2>(cq, rank4, w8, scale, mean8, gdim, j, out);
-  for (; j + 16 <= gdim; j += 16) rebuild_columns_i8<1>(cq, rank4, w8, scale, mean8, gdim, j, out);
+  for (; j + 16 <= gdim; j += 16) rebuild_cols_i8<1>(cq, rank4, w8, scale, mean8, gdim, j, out);
   for (; j < gdim; ++j)
     for (int i = 0; i < kTile; ++i) {
       int32_t a = 0;
@@ -692,8 +671,7 @@ constexpr bool kInt8Rebuild = false;
 void rebuild_tile_i8(const uint8_t*, int, const int8_t*, const float*, const float*, int, float*) {}
 #endif
 
-// Levels of one packed row into li[r * kTile] (r = component). Byte-aligned runs of 2-, 4- and 8-bit
-// codes take shift-and-mask loops; any other width reads each code through `read_code`.
+// Runs of consecutive components with one width and contiguous bits: each unpacks in one loop.
 std::vector<Run> component_runs(const int32_t* bitpos, const uint8_t* bits, int rank) {
   std::vector<Run> runs;
   for (int r = 0; r < rank;) {
@@ -703,22 +681,6 @@ std::vector<Run> component_runs(const int32_t* bitpos, const uint8_t* bits, int 
     r += n;
   }
   return runs;
-}
-
-inline void unpack_levels(const uint8_t* row, const PCAKeys& K, float* li) {
-  for (const Run& run : K.runs) {
-    const int r = run.first, n = run.n, bits = run.bits, pos = run.pos;
-    const uint8_t* src = row + (pos >> 3);
-    if ((pos & 7) == 0 && (bits == 2 || bits == 4 || bits == 8)) {
-      // Shifts, not k / per and k % per: a runtime divisor compiles to one integer division per code.
-      const int log_per = bits == 2 ? 2 : bits == 4 ? 1 : 0, lane = (1 << log_per) - 1, mask = (1 << bits) - 1;
-      for (int k = 0; k < n; ++k)
-        li[(r + k) * kTile] = static_cast<float>((src[k >> log_per] >> ((k & lane) * bits)) & mask) - K.qmax[r + k];
-    } else {
-      for (int k = 0; k < n; ++k)
-        li[(r + k) * kTile] = static_cast<float>(read_code(row, K.nbytes, pos + k * bits, bits)) - K.qmax[r + k];
-    }
-  }
 }
 
 // n codes of a byte-aligned run of BITS-bit codes: a whole byte at a time, with constant shifts.
@@ -759,6 +721,13 @@ inline void unpack_codes(const uint8_t* row, const PCAKeys& K, uint8_t* cq) {
   }
 }
 
+// Signed levels of one packed row into li[r * kTile] (r = component) for the float rebuild: the same
+// unpacking as the integer path (into `scratch`, rank bytes), less each component's level offset.
+inline void unpack_levels(const uint8_t* row, const PCAKeys& K, uint8_t* scratch, float* li) {
+  unpack_codes(row, K, scratch);
+  for (int r = 0; r < K.rank; ++r) li[r * kTile] = static_cast<float>(scratch[r]) - K.qmax[r];
+}
+
 // In place on one key (d coordinates): x <- x * cos + rotate_half(x) * sin, with cos/sin per pair.
 inline void rope_row(float* x, const float* c, const float* s, int half) {
   for (int j = 0; j < half; ++j) {
@@ -770,7 +739,7 @@ inline void rope_row(float* x, const float* c, const float* s, int half) {
 
 // Scores of one split [t0, t1) of group g for batch row b into s[(hh * R + r) * n + t].
 void pca_split_scores(const float* q, const PCAKeys& K, int64_t b, int g, int per, int R, int d, int64_t t0, int64_t t1,
-                      int64_t pos0, const double* inv_freq, float rope_scale, float scale, float* s, std::vector<float>& lev,
+                      int64_t pos0, const double* inv_freq, float rope_scale, float scale, float* s, std::vector<float>& lev, std::vector<uint8_t>& scratch,
                       std::vector<float>& kt, std::vector<double>& rot, std::vector<float>& cs) {
   const int half = d / 2, rank = K.rank, gdim = K.gdim;
   const int64_t n = t1 - t0;
@@ -803,7 +772,7 @@ void pca_split_scores(const float* q, const PCAKeys& K, int64_t b, int g, int pe
           for (int r = 0; r < rank; ++r) li[r * kTile] = 0.f;
           continue;
         }
-        unpack_levels(codes + (t0 + tt + i) * K.nbytes, K, li);
+        unpack_levels(codes + (t0 + tt + i) * K.nbytes, K, scratch.data(), li);
       }
       rebuild_tile(lev.data(), rank, basis_t, mean, gdim, kt.data());
     }
@@ -926,6 +895,7 @@ void pca_vq_attention_impl(const float* q, const PCAKeys& K, const VQValues& V, 
   at::parallel_for(0, B * K.groups * splits, 1, [&](int64_t lo, int64_t hi) {
     std::vector<float> s(static_cast<int64_t>(per) * R * kSplit);
     std::vector<float> lev(static_cast<int64_t>(kTile) * std::max(K.rank, 1));
+    std::vector<uint8_t> scratch(std::max(K.rank, 1));
     std::vector<float> kt(static_cast<int64_t>(kTile) * K.gdim);
     std::vector<double> rot(4 * half);
     std::vector<float> cs(static_cast<int64_t>(kTile) * d);
@@ -934,7 +904,7 @@ void pca_vq_attention_impl(const float* q, const PCAKeys& K, const VQValues& V, 
     for (int64_t i = lo; i < hi; ++i) {
       const int64_t b = i / (K.groups * splits), g = (i / splits) % K.groups, sp = i % splits;
       const int64_t t0 = sp * kSplit, t1 = std::min(T, t0 + kSplit), n = t1 - t0;
-      pca_split_scores(q, K, b, static_cast<int>(g), per, R, d, t0, t1, pos0[b], inv_freq, rope_scale, scale, s.data(), lev, kt, rot, cs);
+      pca_split_scores(q, K, b, static_cast<int>(g), per, R, d, t0, t1, pos0[b], inv_freq, rope_scale, scale, s.data(), lev, scratch, kt, rot, cs);
       for (int hh = 0; hh < per; ++hh) {
         const int64_t h = g * per + hh, bh = b * kv + h, item = bh * splits + sp;
         float* srow = s.data() + static_cast<int64_t>(hh) * R * n;
