@@ -11,7 +11,8 @@ README.md is docs/readme/*.md (PARTS, in order); docs/NAME.md is docs/templates/
     {{decode_speed:NAME}}  only bench/results/decode-NAME.json
     {{profile_summary}}  bench/results/profiles/*.json: where each model loses (kvpack.bench.profile_plot)
     {{auto_table}}    bench/results/auto-*-2k.json: auto:<target> beside the default and turboquant:k4v4 on each model (auto_rows)
-    {{auto_table:all}}  the same with every row of those runs (fixed widths and peers); {{auto_table:8k}} every row at 8K
+    {{auto_table:all}}  the same with every row of those runs (fixed widths and peers); {{auto_table:8k}} every row at 8K;
+    {{auto_table:2k-fisher}} the runs from the Fisher profiles; {{fisher_table}} scripts/fisher_sensitivity.py per model
 Every other page under docs/ is static markdown.
 """
 
@@ -116,6 +117,23 @@ def auto_rows(results: Path, everything: bool = False, context: str = "2k") -> s
     return "\n".join(lines)
 
 
+def fisher_rows(results: Path) -> str:
+    """Per model, scripts/fisher_sensitivity.py: calibration time of each mode, Spearman's rho of the raw Fisher
+    predictions against the probes, the raw predictions' share of the measured KL, and the worst 2-bit keys."""
+    lines = ["| model | probes / Fisher (s) | rho: all cells | rho: keys 2 / 3 / 4 / 8 bits | rho: values 2 / 3 / 4 bits | "
+             "raw prediction / measured: keys 2 / 4, values 2 | worst keys at 2 bits: probes / Fisher |", "|---|---:|---:|---|---|---|---|"]
+    for model in AUTO_MODELS:
+        path = results / f"fisher-sensitivity-{model}.json"
+        if not path.exists():
+            continue
+        d = json.loads(path.read_text())
+        rho, ratio, worst = d["rho_raw"], d["ratio_raw"], d["worst_keys_at_2_bits"]
+        lines.append(f"| {model} | {d['seconds']['probes']:.0f} / {d['seconds']['fisher']:.0f} | {rho['all']:.2f} | "
+                     f"{' / '.join(f'{rho[c]:.2f}' for c in ('k2', 'k3', 'k4', 'k8'))} | {' / '.join(f'{rho[c]:.2f}' for c in ('v2', 'v3', 'v4'))} | "
+                     f"{ratio['k2']:.2f} / {ratio['k4']:.2f}, {ratio['v2']:.2f} | {worst['probe']} / {worst['fisher']} |")
+    return "\n".join(lines)
+
+
 def profile_summary(results: Path) -> str:
     """Per committed profile: the share of keys in the 2-bit loss and the layers that carry most of it."""
     from kvpack.bench.profile_plot import describe
@@ -165,6 +183,7 @@ def render(text: str, results: Path = RESULTS) -> str:
     text = text.replace("{{shard_targets}}", shard_rows(results)).replace("{{decode_speed}}", decode_speed(results))
     text = text.replace("{{auto_table}}", auto_rows(results)).replace("{{auto_table:all}}", auto_rows(results, everything=True))
     text = text.replace("{{auto_table:8k}}", auto_rows(results, everything=True, context="8k")).replace("{{profile_summary}}", profile_summary(results))
+    text = text.replace("{{auto_table:2k-fisher}}", auto_rows(results, everything=True, context="2k-fisher")).replace("{{fisher_table}}", fisher_rows(results))
     if "{{" in text:
         raise ValueError(f"unknown placeholder: {re.search(r'{{[^}]*}}', text)[0]}")
     return text

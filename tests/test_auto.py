@@ -16,7 +16,7 @@ import kvpack
 from kvpack import auto
 from kvpack.cli import main
 from kvpack.codecs.turboquant import TurboQuantCodec
-from kvpack.eval.generate import forward
+from kvpack.eval.generate import cache_kwargs, forward
 from kvpack.models import tiny_random_model
 from kvpack.registry import CodecSpec, LayerCodecs, MethodConfig, get_method, list_methods
 from kvpack.serve import blocks
@@ -367,3 +367,86 @@ def test_bench_merge_keeps_an_earlier_run_only_when_its_protocol_and_baseline_ma
     with pytest.raises(SystemExit, match="differs in context, text"):
         bench.merge(str(path), Namespace(**(config | {"context": 8192, "text": "pydoc"})), 30.0)
     assert [bench._group(m) for m in ("auto:2%", "turboquant:k4v4", "kivi:2", "hf-quanto:4")] == ["auto", "fixed", "peer", "peer"]
+
+
+# -- the fisher calibration --------------------------------------------------------------------------------------
+def test_fisher_diagonal_is_the_exact_fisher_of_the_scored_tokens():
+    """The sign-and-sample estimator against the Fisher enumerated exactly: every token t and every vocabulary entry y,
+    F_t = sum_y p_t(y) (d log p_t(y) / d cache)^2, summed over t (per cache position: over its head_dim elements)."""
+    from transformers import DynamicCache
+
+    model, tokenizer = tiny_random_model(seed=0)
+    model = model.double()
+    ids = token_stream(tokenizer, "pydoc", 24)
+    prompt, scored = ids[:20], ids[20:]
+    est = auto.fisher_diagonal(model, prompt, scored, draws=1500, seed=1)
+    assert all(p.requires_grad for p in model.parameters())
+
+    for p in model.parameters():
+        p.requires_grad_(False)
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=prompt[None], use_cache=True, **cache_kwargs(model, cache))
+    leaves = []
+    for layer in cache.layers:
+        layer.keys, layer.values = layer.keys.detach().requires_grad_(True), layer.values.detach().requires_grad_(True)
+        leaves += [layer.keys, layer.values]
+    logp = torch.log_softmax(model(input_ids=scored[None], use_cache=True, **cache_kwargs(model, cache)).logits[0], -1)
+    exact = [torch.zeros_like(x) for x in leaves]
+    for t, y in itertools.product(range(len(scored)), range(logp.shape[1])):
+        for e, g in zip(exact, torch.autograd.grad(logp[t, y], leaves, retain_graph=True), strict=True):
+            e += logp[t, y].detach().exp() * g.square()
+    for i, e in enumerate(exact):
+        got = est[i // 2][i % 2].double()
+        assert got.sum().item() == pytest.approx(e.sum().item(), rel=0.05)
+        assert torch.allclose(got.sum(-1), e.sum(-1), rtol=0.15, atol=0.0)
+
+
+@pytest.fixture(scope="module")
+def fisher_profile(tiny):
+    return auto.calibrate(*tiny, auto.CalibrationConfig(prefix=160, tokens=48, mode="fisher", draws=8), progress=False)
+
+
+@torch.no_grad()
+def test_fisher_profile_totals_are_real_prefills_and_shares_follow_the_fisher(fisher_profile, tiny):
+    """Per (side, width): the layers' KL sums to the KL of a real prefill through a cache compressing that side of every
+    layer at that width, split between the layers in proportion to their Fisher predictions."""
+    model, tokenizer = tiny
+    ids = token_stream(tokenizer, "pydoc", 160 + 48 + 1)
+
+    def logp(method):
+        cache = kvpack.KVCache(model, method)
+        forward(model, ids[:160], cache)
+        return F.log_softmax(forward(model, ids[160:-1], cache, last_only=False)[0].double(), -1)
+
+    ref = logp(auto._probe(None))
+    fp16 = CodecSpec("fp16")
+    for side, bits in itertools.product(auto.SIDES, (2, 8)):
+        spec = auto.codec_spec(side, bits)
+        pair = (spec, fp16) if side == "key" else (fp16, spec)
+        kl = F.kl_div(logp(MethodConfig("all", fp16, fp16, layer_codecs=(LayerCodecs((0, 1), *pair),))), ref, log_target=True, reduction="none")
+        rows = [r for r in fisher_profile["sensitivity"] if r["side"] == side and r["bits"] == bits]
+        assert sum(r["kl"] for r in rows) == pytest.approx(kl.sum(-1).mean().item(), rel=1e-6)
+        assert rows[0]["kl"] * rows[1]["fisher"] == pytest.approx(rows[1]["kl"] * rows[0]["fisher"], rel=1e-9)
+    assert fisher_profile["calibration"]["mode"] == "fisher"
+    auto.method_from_profile(fisher_profile, 0.04)  # the allocator reads it as it reads a probe profile
+
+
+def test_fisher_calibration_leaves_the_weights_trainable_as_they_were(tiny):
+    model, tokenizer = tiny
+    flags = [p.requires_grad for p in model.parameters()]
+    auto.fisher_diagonal(model, token_stream(tokenizer, "pydoc", 40)[:32], token_stream(tokenizer, "pydoc", 40)[32:], draws=1)
+    assert [p.requires_grad for p in model.parameters()] == flags
+
+
+@pytest.mark.parametrize("kwargs, match", [({"mode": "fast"}, r"mode must be one of \('probe', 'fisher'\)"), ({"draws": 0}, "draws must be a positive"),
+                                           ({"draws": 1.5}, "draws must be a positive")])
+def test_calibration_config_names_the_allowed_modes(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        auto.CalibrationConfig(**kwargs)
+
+
+def test_cli_calibrate_fisher_writes_a_profile_auto_reads(profiles, capsys):
+    assert main(["calibrate", "--model", "tiny-random", "--prefix", "128", "--tokens", "8", "--mode", "fisher", "--draws", "2", "--quiet"]) == 0
+    assert "Fisher diagonal from 2 backward passes" in capsys.readouterr().out
+    assert kvpack.KVCache(tiny_random_model(seed=0)[0], "auto:4%").method.name == "auto:4%"

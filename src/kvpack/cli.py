@@ -88,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--prefix", type=int, default=2048, help="prompt tokens in each probe cache (the context the profile is for)")
     cal.add_argument("--tokens", type=int, default=256, help="tokens scored through each probe cache")
     cal.add_argument("--offset", type=int, default=0, help="first token of the text used")
+    cal.add_argument("--mode", default="probe", choices=["probe", "fisher"],
+                     help="probe: one forward per (layer, K or V, width), minutes; fisher: backward passes predict them, seconds")
+    cal.add_argument("--draws", type=int, default=4, help="backward passes of --mode fisher")
     cal.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="model weights and activations")
     cal.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch default)")
     cal.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -261,7 +264,7 @@ def validate_calibrate(args, subparser: argparse.ArgumentParser) -> None:
     _check_types(args, subparser)
     if args.threads < 0:
         raise ValueError(f"--threads must be >= 0, got {args.threads}")
-    CalibrationConfig(text=args.text, prefix=args.prefix, tokens=args.tokens, offset=args.offset)
+    CalibrationConfig(text=args.text, prefix=args.prefix, tokens=args.tokens, offset=args.offset, mode=args.mode, draws=args.draws)
     _check_model(args.model)
     require("tqdm.auto", "kvpack calibrate (progress bar)")
     if args.out:
@@ -400,10 +403,10 @@ def cmd_calibrate(args) -> int:
         torch.set_num_threads(args.threads)
     with install_hint(f"loading {args.model}"):
         model, tokenizer = models.load_model(args.model, dtype=getattr(torch, args.dtype))
-    config = auto.CalibrationConfig(text=args.text, prefix=args.prefix, tokens=args.tokens, offset=args.offset)
+    config = auto.CalibrationConfig(text=args.text, prefix=args.prefix, tokens=args.tokens, offset=args.offset, mode=args.mode, draws=args.draws)
     probes = len(config.bits) * len(auto.SIDES)
-    print(f"calibrating {args.model}: {probes} probes per full-attention layer, {config.prefix}-token {config.text} prompt, "
-          f"{config.tokens} scored tokens", flush=True)
+    how = f"{probes} probes per full-attention layer" if config.mode == "probe" else f"Fisher diagonal from {config.draws} backward passes"
+    print(f"calibrating {args.model}: {how}, {config.prefix}-token {config.text} prompt, {config.tokens} scored tokens", flush=True)
     profile = auto.calibrate(model, tokenizer, config, progress=not args.quiet)
     path = auto.save_profile(profile, args.out or auto.profile_path(model))
     print(f"wrote {path} in {profile['calibration']['seconds']:.0f} s")

@@ -1,0 +1,83 @@
+"""How well does the Fisher calibration (`kvpack calibrate --mode fisher`) predict what the probes measure?
+
+    python scripts/fisher_sensitivity.py --model smollm2-135m --json bench/results/fisher-sensitivity-smollm2-135m.json
+
+Runs the Fisher calibration on the probe profile's own prompt (same text, prefix, scored tokens) and compares, per
+(layer, side, width), its raw second-order prediction and its final sensitivity (the prediction's share of one
+measured forward per side and width) with the probe profile's measured KL: Spearman's rho over all cells and per
+(side, width), and the ratio of the raw predictions' sum to the measured sum (below 1: the diagonal Fisher leaves
+out how a code's errors correlate within a vector and across tokens).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    """Spearman's rho (no ties expected among these continuous errors): Pearson correlation of the ranks."""
+    ra = torch.tensor(a).argsort().argsort().double()
+    rb = torch.tensor(b).argsort().argsort().double()
+    ra, rb = ra - ra.mean(), rb - rb.mean()
+    return float((ra * rb).sum() / (ra.norm() * rb.norm()))
+
+
+def compare(probe: dict, fisher: dict) -> dict:
+    """rho and ratio of the Fisher profile's raw predictions ('fisher') and sensitivities ('kl') against the probes' KL."""
+    measured = {(r["layer"], r["side"], r["bits"]): r["kl"] for r in probe["sensitivity"]}
+    rows = {(r["layer"], r["side"], r["bits"]): r for r in fisher["sensitivity"]}
+    cells = sorted(measured)
+    out = {"rho_raw": {"all": spearman([rows[c]["fisher"] for c in cells], [measured[c] for c in cells])},
+           "rho_profile": {"all": spearman([rows[c]["kl"] for c in cells], [measured[c] for c in cells])}, "ratio_raw": {}}
+    for side in ("key", "value"):
+        for bits in probe["bits"]:
+            sub = [c for c in cells if c[1:] == (side, bits)]
+            name = f"{side[0]}{bits}"
+            out["rho_raw"][name] = spearman([rows[c]["fisher"] for c in sub], [measured[c] for c in sub])
+            out["rho_profile"][name] = spearman([rows[c]["kl"] for c in sub], [measured[c] for c in sub])
+            out["ratio_raw"][name] = sum(rows[c]["fisher"] for c in sub) / max(sum(measured[c] for c in sub), 1e-30)
+    worst = {"fisher": sorted(probe["layers"], key=lambda lay: -rows[(lay, "key", 2)]["kl"])[:5],
+             "probe": sorted(probe["layers"], key=lambda lay: -measured[(lay, "key", 2)])[:5]}
+    return out | {"worst_keys_at_2_bits": worst}
+
+
+def main(argv: list[str] | None = None) -> int:
+    sys.path.insert(0, str(ROOT / "src"))
+    from kvpack import auto
+    from kvpack.bench.env import environment
+    from kvpack.models import load_model
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--profile", help="probe profile (default: bench/results/profiles/<model>.json)")
+    p.add_argument("--draws", type=int, default=4)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--json")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    probe = json.loads(Path(args.profile or ROOT / "bench" / "results" / "profiles" / f"{args.model}.json").read_text())
+    cal = probe["calibration"]
+    model, tokenizer = load_model(args.model, dtype=getattr(torch, cal["dtype"]))
+    config = auto.CalibrationConfig(text=cal["text"], prefix=cal["prefix"], tokens=cal["tokens"], offset=cal["offset"], bits=tuple(probe["bits"]),
+                                    mode="fisher", draws=args.draws)
+    fisher = auto.calibrate(model, tokenizer, config, progress=False)
+    result = compare(probe, fisher)
+    print(f"{args.model}: Fisher calibration {fisher['calibration']['seconds']:.0f} s, probes {cal['seconds']:.0f} s")
+    for key in ("rho_raw", "rho_profile", "ratio_raw"):
+        print(f"  {key}: " + ", ".join(f"{c} {v:.2f}" for c, v in result[key].items()))
+    print(f"  worst keys at 2 bits: Fisher {result['worst_keys_at_2_bits']['fisher']}, probes {result['worst_keys_at_2_bits']['probe']}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"environment": environment("python scripts/fisher_sensitivity.py", argv), "config": vars(args),
+                                               "seconds": {"fisher": fisher["calibration"]["seconds"], "probes": cal["seconds"]}, **result}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
