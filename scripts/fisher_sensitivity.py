@@ -11,22 +11,13 @@ out how a code's errors correlate within a vector and across tokens).
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
-import torch
+from runtime_sensitivity import parse, profile_and_model, spearman
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def spearman(a: list[float], b: list[float]) -> float:
-    """Spearman's rho (no ties expected among these continuous errors): Pearson correlation of the ranks."""
-    ra = torch.tensor(a).argsort().argsort().double()
-    rb = torch.tensor(b).argsort().argsort().double()
-    ra, rb = ra - ra.mean(), rb - rb.mean()
-    return float((ra * rb).sum() / (ra.norm() * rb.norm()))
 
 
 def compare(probe: dict, fisher: dict) -> dict:
@@ -52,19 +43,10 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(ROOT / "src"))
     from kvpack import auto
     from kvpack.bench.env import environment
-    from kvpack.models import load_model
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--profile", help="probe profile (default: bench/results/profiles/<model>.json)")
-    p.add_argument("--draws", type=int, default=4)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--json")
-    args = p.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    probe = json.loads(Path(args.profile or ROOT / "bench" / "results" / "profiles" / f"{args.model}.json").read_text())
+    args = parse(__doc__, argv, threads=2, draws={"type": int, "default": 4})
+    probe, model, tokenizer = profile_and_model(args.model, args.profile, args.threads)
     cal = probe["calibration"]
-    model, tokenizer = load_model(args.model, dtype=getattr(torch, cal["dtype"]))
     config = auto.CalibrationConfig(text=cal["text"], prefix=cal["prefix"], tokens=cal["tokens"], offset=cal["offset"], bits=tuple(probe["bits"]),
                                     mode="fisher", draws=args.draws)
     fisher = auto.calibrate(model, tokenizer, config, progress=False)

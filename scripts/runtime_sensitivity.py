@@ -34,6 +34,28 @@ def spearman(a: list[float], b: list[float]) -> float:
     return float((ra * rb).sum() / (ra.norm() * rb.norm()))
 
 
+def parse(doc: str, argv: list[str] | None, threads: int, **options: dict) -> argparse.Namespace:
+    """--model, --profile, --threads, --json and each `options` entry (flag name -> add_argument keywords)."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--profile", help="calibrated profile (default: bench/results/profiles/<model>.json)")
+    p.add_argument("--threads", type=int, default=threads)
+    p.add_argument("--json")
+    for flag, kwargs in options.items():
+        p.add_argument(f"--{flag}", **kwargs)
+    return p.parse_args(argv)
+
+
+def profile_and_model(name: str, profile: str | None, threads: int):
+    """The probe profile (`profile`, else bench/results/profiles/<name>.json) and the model in the dtype it was made in."""
+    sys.path.insert(0, str(ROOT / "src"))
+    from kvpack.models import load_model
+
+    torch.set_num_threads(threads)
+    data = json.loads(Path(profile or ROOT / "bench" / "results" / "profiles" / f"{name}.json").read_text())
+    return (data, *load_model(name, dtype=getattr(torch, data["calibration"]["dtype"])))
+
+
 def capture(model, ids: torch.Tensor) -> tuple[dict, dict]:
     """One prefill: each layer's RoPE'd (q, k, v) (kvpack.bench.shard.prompt_qkv) and the hidden state entering it."""
     from kvpack.bench.shard import prompt_qkv
@@ -82,20 +104,11 @@ def local_errors(model, qkv, hidden, layer: int, queries: int) -> dict[str, floa
 def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(ROOT / "src"))
     from kvpack.bench.env import environment
-    from kvpack.models import load_model
     from kvpack.text import token_stream
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--profile", help="calibrated profile (default: bench/results/profiles/<model>.json)")
-    p.add_argument("--queries", type=int, default=256)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--json")
-    args = p.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    profile = json.loads(Path(args.profile or ROOT / "bench" / "results" / "profiles" / f"{args.model}.json").read_text())
+    args = parse(__doc__, argv, threads=1, queries={"type": int, "default": 256})
+    profile, model, tokenizer = profile_and_model(args.model, args.profile, args.threads)
     cal = profile["calibration"]
-    model, tokenizer = load_model(args.model, dtype=getattr(torch, cal["dtype"]))
     ids = token_stream(tokenizer, cal["text"], cal["prefix"], offset=cal["offset"])  # the calibration's own prompt
     qkv, hidden = capture(model, ids)
     local = {layer: local_errors(model, qkv, hidden, layer, args.queries) for layer in profile["layers"]}
