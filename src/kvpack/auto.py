@@ -503,7 +503,6 @@ def _fisher_sensitivity(model, base, ref, text, layers, specs, config, tqdm, pro
     KL, split over the layers in proportion to their predictions, is each probe's sensitivity: the profile's totals
     are measured, its per-layer shares predicted.
     """
-    from .cache.layer import KVPackLayer
 
     prompt, scored, _ = text
     steps = tqdm(total=config.draws + 1 + len(SIDES) * len(config.bits), desc="calibrating (fisher)", unit="pass", disable=not progress)
@@ -515,9 +514,7 @@ def _fisher_sensitivity(model, base, ref, text, layers, specs, config, tqdm, pro
         exact = {"key": old.keys, "value": old.values}
         for s, side in enumerate(SIDES):
             for b in config.bits:
-                probe = KVPackLayer(_probe(layer, side, specs[(side, b)]).for_layer(layer), layer, old.model_config, old.rope)
-                probe.update(exact["key"], exact["value"])
-                delta = probe.dequantized()[s].float() - exact[side].float()
+                delta = _stored(old, _probe(layer, side, specs[(side, b)]), layer).dequantized()[s].float() - exact[side].float()
                 predicted[(layer, side, b)] = (fisher[layer][s] * delta.square()).sum().item() / (2 * len(scored))
     records = []
     for side in SIDES:
@@ -537,13 +534,17 @@ def _fisher_sensitivity(model, base, ref, text, layers, specs, config, tqdm, pro
 
 def _uniform_cache(base, method: MethodConfig, layers: Sequence[int]):
     """A copy of the prefilled reference cache `base` whose `layers` hold the prompt through `method`'s codecs."""
-    from .cache.layer import KVPackLayer
-
     cache = copy.deepcopy(base)
     for layer in layers:
-        old = cache.layers[layer]
-        new = KVPackLayer(method.for_layer(layer), layer, old.model_config, old.rope)
-        new.update(old.keys, old.values)  # kvpack attention is off: the layer compresses the prompt at once, as after a prefill
-        cache.layers[layer] = new
+        cache.layers[layer] = _stored(cache.layers[layer], method, layer)
     cache.method = method
     return cache
+
+
+def _stored(old, method: MethodConfig, layer: int):
+    """A new layer holding reference layer `old`'s prompt K/V through `method`'s codecs for `layer`."""
+    from .cache.layer import KVPackLayer
+
+    new = KVPackLayer(method.for_layer(layer), layer, old.model_config, old.rope)
+    new.update(old.keys, old.values)  # kvpack attention is off: the layer compresses the prompt at once, as after a prefill
+    return new
