@@ -120,15 +120,16 @@ def auto_rows(results: Path, everything: bool = False, context: str = "2k") -> s
 def fisher_rows(results: Path) -> str:
     """Per model, scripts/fisher_sensitivity.py: calibration time of each mode, Spearman's rho of the raw Fisher
     predictions against the probes, the raw predictions' share of the measured KL, and the worst 2-bit keys."""
-    lines = ["| model | probes / Fisher (s) | rho: all cells | rho: keys 2 / 3 / 4 / 8 bits | rho: values 2 / 3 / 4 bits | "
-             "raw prediction / measured: keys 2 / 4, values 2 | worst keys at 2 bits: probes / Fisher |", "|---|---:|---:|---|---|---|---|"]
+    lines = ["| model | calibration: probes / Fisher | rho: all cells (raw / profile) | rho raw: keys 2 / 3 / 4 / 8 bits | rho raw: values 2 / 3 / 4 bits | "
+             "raw prediction / measured: keys 2 / 4, values 2 | worst keys at 2 bits: probes / Fisher profile |", "|---|---|---|---|---|---|---|"]
     for model in AUTO_MODELS:
         path = results / f"fisher-sensitivity-{model}.json"
         if not path.exists():
             continue
         d = json.loads(path.read_text())
         rho, ratio, worst = d["rho_raw"], d["ratio_raw"], d["worst_keys_at_2_bits"]
-        lines.append(f"| {model} | {d['seconds']['probes']:.0f} / {d['seconds']['fisher']:.0f} | {rho['all']:.2f} | "
+        sec = {mode: f"{t['seconds']:.0f} s ({t['threads']} thread{'s' * (t['threads'] > 1)})" for mode, t in d["seconds"].items()}
+        lines.append(f"| {model} | {sec['probes']} / {sec['fisher']} | {rho['all']:.2f} / {d['rho_profile']['all']:.2f} | "
                      f"{' / '.join(f'{rho[c]:.2f}' for c in ('k2', 'k3', 'k4', 'k8'))} | {' / '.join(f'{rho[c]:.2f}' for c in ('v2', 'v3', 'v4'))} | "
                      f"{ratio['k2']:.2f} / {ratio['k4']:.2f}, {ratio['v2']:.2f} | {worst['probe']} / {worst['fisher']} |")
     return "\n".join(lines)

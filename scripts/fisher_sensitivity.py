@@ -2,9 +2,9 @@
 
     python scripts/fisher_sensitivity.py --model smollm2-135m --json bench/results/fisher-sensitivity-smollm2-135m.json
 
-Runs the Fisher calibration on the probe profile's own prompt (same text, prefix, scored tokens) and compares, per
-(layer, side, width), its raw second-order prediction and its final sensitivity (the prediction's share of one
-measured forward per side and width) with the probe profile's measured KL: Spearman's rho over all cells and per
+Reads a Fisher profile made on the probe profile's own prompt (same text, prefix, scored tokens: the defaults of
+both modes) and compares, per (layer, side, width), its raw second-order prediction and its final sensitivity (after
+the per-layer key probe and the measured totals) with the probe profile's measured KL: Spearman's rho over all cells and per
 (side, width), and the ratio of the raw predictions' sum to the measured sum (below 1: the diagonal Fisher leaves
 out how a code's errors correlate within a vector and across tokens).
 """
@@ -15,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-from runtime_sensitivity import parse, profile_and_model, spearman
+from runtime_sensitivity import parse, spearman
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -41,23 +41,25 @@ def compare(probe: dict, fisher: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(ROOT / "src"))
-    from kvpack import auto
     from kvpack.bench.env import environment
 
-    args = parse(__doc__, argv, threads=2, draws={"type": int, "default": 4})
-    probe, model, tokenizer = profile_and_model(args.model, args.profile, args.threads)
-    cal = probe["calibration"]
-    config = auto.CalibrationConfig(text=cal["text"], prefix=cal["prefix"], tokens=cal["tokens"], offset=cal["offset"], bits=tuple(probe["bits"]),
-                                    mode="fisher", draws=args.draws)
-    fisher = auto.calibrate(model, tokenizer, config, progress=False)
+    args = parse(__doc__, argv, threads=2, fisher={"help": "Fisher profile (default: bench/results/profiles-fisher/<model>.json)"})
+    results = ROOT / "bench" / "results"
+    probe = json.loads(Path(args.profile or results / "profiles" / f"{args.model}.json").read_text())
+    fisher = json.loads(Path(args.fisher or results / "profiles-fisher" / f"{args.model}.json").read_text())
+    same = ("text", "prefix", "tokens", "offset", "dtype")
+    if any(probe["calibration"][k] != fisher["calibration"][k] for k in same) or probe["bits"] != fisher["bits"]:
+        raise SystemExit(f"the two profiles were calibrated on different prompts or widths (compare {same} and bits); make the Fisher one with "
+                         f"kvpack calibrate --model {args.model} --mode fisher and the probe profile's --text/--prefix/--tokens/--offset")
     result = compare(probe, fisher)
-    print(f"{args.model}: Fisher calibration {fisher['calibration']['seconds']:.0f} s, probes {cal['seconds']:.0f} s")
+    seconds = {mode: {"seconds": p["calibration"]["seconds"], "threads": p["calibration"]["torch_threads"]} for mode, p in (("probes", probe), ("fisher", fisher))}
+    print(f"{args.model}: Fisher calibration {seconds['fisher']}, probes {seconds['probes']}")
     for key in ("rho_raw", "rho_profile", "ratio_raw"):
         print(f"  {key}: " + ", ".join(f"{c} {v:.2f}" for c, v in result[key].items()))
     print(f"  worst keys at 2 bits: Fisher {result['worst_keys_at_2_bits']['fisher']}, probes {result['worst_keys_at_2_bits']['probe']}")
     if args.json:
         Path(args.json).write_text(json.dumps({"environment": environment("python scripts/fisher_sensitivity.py", argv), "config": vars(args),
-                                               "seconds": {"fisher": fisher["calibration"]["seconds"], "probes": cal["seconds"]}, **result}, indent=1))
+                                               "seconds": seconds, **result}, indent=1))
     return 0
 
 

@@ -410,7 +410,8 @@ def fisher_profile(tiny):
 @torch.no_grad()
 def test_fisher_profile_totals_are_real_prefills_and_shares_follow_the_fisher(fisher_profile, tiny):
     """Per (side, width): the layers' KL sums to the KL of a real prefill through a cache compressing that side of every
-    layer at that width, split between the layers in proportion to their Fisher predictions."""
+    layer at that width, split between the layers in proportion to their predictions: the Fisher's for values, for keys
+    the Fisher's scaled per layer by its 2-bit key probe, itself a real prefill's KL."""
     model, tokenizer = tiny
     ids = token_stream(tokenizer, "pydoc", 160 + 48 + 1)
 
@@ -427,7 +428,17 @@ def test_fisher_profile_totals_are_real_prefills_and_shares_follow_the_fisher(fi
         kl = F.kl_div(logp(MethodConfig("all", fp16, fp16, layer_codecs=(LayerCodecs((0, 1), *pair),))), ref, log_target=True, reduction="none")
         rows = [r for r in fisher_profile["sensitivity"] if r["side"] == side and r["bits"] == bits]
         assert sum(r["kl"] for r in rows) == pytest.approx(kl.sum(-1).mean().item(), rel=1e-6)
-        assert rows[0]["kl"] * rows[1]["fisher"] == pytest.approx(rows[1]["kl"] * rows[0]["fisher"], rel=1e-9)
+        assert rows[0]["kl"] * rows[1]["predicted"] == pytest.approx(rows[1]["kl"] * rows[0]["predicted"], rel=1e-9)
+        if side == "value":
+            assert [r["predicted"] for r in rows] == [r["fisher"] for r in rows]
+    key2 = {r["layer"]: r for r in fisher_profile["sensitivity"] if r["side"] == "key" and r["bits"] == 2}
+    key8 = {r["layer"]: r for r in fisher_profile["sensitivity"] if r["side"] == "key" and r["bits"] == 8}
+    for layer in (0, 1):
+        probe = logp(auto._probe(layer, "key", auto.codec_spec("key", 2)))
+        assert key2[layer]["probe_kl"] == pytest.approx(F.kl_div(probe, ref, log_target=True, reduction="none").sum(-1).mean().item(), rel=1e-6)
+        assert key2[layer]["predicted"] == pytest.approx(key2[layer]["probe_kl"], rel=1e-9)
+        scale = key2[layer]["probe_kl"] / key2[layer]["fisher"]
+        assert key8[layer]["predicted"] == pytest.approx(key8[layer]["fisher"] * scale, rel=1e-9)
     assert fisher_profile["calibration"]["mode"] == "fisher"
     auto.method_from_profile(fisher_profile, 0.04)  # the allocator reads it as it reads a probe profile
 

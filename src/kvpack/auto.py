@@ -14,8 +14,9 @@ token's whole distribution, not the one log-probability of the token that came).
 
 The fisher mode (`CalibrationConfig(mode="fisher")`, `_fisher_sensitivity`) replaces the 8 forwards per layer by
 `draws` backward passes that estimate the Fisher diagonal of the scored tokens w.r.t. the cached K/V
-(`fisher_diagonal`), which predicts every probe to second order, plus one measured forward per (side, width) that
-fixes the predictions' total: 20x faster, about as good at 1% (docs/auto.md).
+(`fisher_diagonal`), which predicts every probe to second order, one key probe per layer at the narrowest width
+that corrects each layer's predictions, and one measured forward per (side, width) that fixes their total: about
+8x faster (docs/auto.md).
 
 Allocation (`allocate`, `method_from_profile`). The additive model: the KL of a cache compressing several
 (layer, side)s at once is the sum of their probes' KLs (second order, KL ~ e^T F e / 2 of the logit error, and
@@ -326,8 +327,8 @@ class CalibrationConfig:
     offset: first token of the text used. bits: widths measured (TurboQuant 2/3/4, int8 as 8).
 
     mode: "probe" measures every (layer, side, width) with its own forward (minutes: 8 forwards per layer);
-        "fisher" predicts them all from `draws` backward passes and measures only one forward per (side, width)
-        (seconds; `_fisher_sensitivity`).
+        "fisher" predicts them from `draws` backward passes and measures one key probe per layer and one forward
+        per (side, width) (a minute; `_fisher_sensitivity`).
     draws: backward passes of the fisher mode (its estimate's noise falls as 1/sqrt(draws)).
     """
 
@@ -493,22 +494,25 @@ def fisher_diagonal(model, prompt: torch.Tensor, scored: torch.Tensor, draws: in
 
 
 def _fisher_sensitivity(model, base, ref, text, layers, specs, config, tqdm, progress) -> list[dict]:
-    """Every (layer, side, width) from the Fisher diagonal, its total per (side, width) from one measured forward.
+    """Every (layer, side, width) from the Fisher diagonal, corrected per layer by one key probe, its total per
+    (side, width) from one measured forward.
 
     The second-order prediction of probe (l, side, b) is sum over the layer's stored elements of E[g^2] * delta^2 / 2
     per scored token, delta the codec's real error on the prompt (sinks and window included, as the layer stores them).
-    It ranks the probes as their measured KL does (Spearman 0.96-0.98 on SmolLM2, Qwen2.5 and Gemma-3) but leaves out
-    how a code's errors correlate within a vector and across tokens (Lloyd-Max shrinks every vector), which put the
-    measured KL 1-4x above it. So one probe per (side, width) compresses that side of every layer, and its measured
-    KL, split over the layers in proportion to their predictions, is each probe's sensitivity: the profile's totals
-    are measured, its per-layer shares predicted.
+    It ranks the probes as their measured KL does (Spearman 0.96-0.98 on SmolLM2, Qwen2.5 and Gemma-3), with two
+    faults. Its scale leaves out how a code's errors correlate within a vector and across tokens; so one forward per
+    (side, width) compresses that side of every layer, and its measured KL, split over the layers in proportion to
+    their predictions, is each probe's sensitivity. And a layer whose attention is saturated has almost no gradient
+    yet loses much once an error moves its argmax (Qwen2.5's layer-0 keys: 0.0168 nats at 2 bits at 8K, predicted
+    0.0005); so each layer's keys are probed once at the narrowest width, and the ratio of that probe to its
+    prediction scales the layer's key predictions at every width.
     """
-
     prompt, scored, _ = text
-    steps = tqdm(total=config.draws + 1 + len(SIDES) * len(config.bits), desc="calibrating (fisher)", unit="pass", disable=not progress)
+    narrow = min(config.bits)
+    steps = tqdm(total=config.draws + 1 + len(layers) + len(SIDES) * len(config.bits), desc="calibrating (fisher)", unit="pass", disable=not progress)
     fisher = fisher_diagonal(model, prompt, scored, config.draws)
     steps.update(config.draws + 1)
-    predicted = {}
+    predicted, raw, probed = {}, {}, {}
     for layer in layers:
         old = base.layers[layer]
         exact = {"key": old.keys, "value": old.values}
@@ -516,6 +520,12 @@ def _fisher_sensitivity(model, base, ref, text, layers, specs, config, tqdm, pro
             for b in config.bits:
                 delta = _stored(old, _probe(layer, side, specs[(side, b)]), layer).dequantized()[s].float() - exact[side].float()
                 predicted[(layer, side, b)] = (fisher[layer][s] * delta.square()).sum().item() / (2 * len(scored))
+        raw |= {key: predicted[key] for key in predicted if key[0] == layer}
+        probed[layer] = _kl(_score(model, _probe_cache(base, _probe(layer, "key", specs[("key", narrow)]), layer), scored), ref).mean().item()
+        steps.update(1)
+        if raw[(layer, "key", narrow)] > 0:
+            for b in config.bits:
+                predicted[(layer, "key", b)] = raw[(layer, "key", b)] * probed[layer] / raw[(layer, "key", narrow)]
     records = []
     for side in SIDES:
         for b in config.bits:
@@ -527,7 +537,9 @@ def _fisher_sensitivity(model, base, ref, text, layers, specs, config, tqdm, pro
             total = sum(predicted[(layer, side, b)] for layer in layers)
             for layer in layers:
                 share = predicted[(layer, side, b)] / total if total > 0 else 1 / len(layers)
-                records.append({"layer": layer, "side": side, "bits": b, "kl": measured * share, "fisher": predicted[(layer, side, b)], "measured_all_layers": measured})
+                record = {"layer": layer, "side": side, "bits": b, "kl": measured * share, "fisher": raw[(layer, side, b)],
+                          "predicted": predicted[(layer, side, b)], "measured_all_layers": measured}
+                records.append(record | ({"probe_kl": probed[layer]} if (side, b) == ("key", narrow) else {}))
     steps.close()
     return records
 
