@@ -24,7 +24,7 @@ from kvpack.text import token_stream
 
 TQ2 = CodecSpec("turboquant", {"bits": 2, "center": True})
 INT8 = CodecSpec("int8")
-SMALL = auto.CalibrationConfig(prefix=160, tokens=48)  # past sinks + window + a block; seconds on the tiny model
+SMALL = auto.CalibrationConfig(prefix=160, tokens=48, mode="probe")  # past sinks + window + a block; seconds on the tiny model
 
 
 @pytest.fixture(scope="module")

@@ -88,8 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--prefix", type=int, default=2048, help="prompt tokens in each probe cache (the context the profile is for)")
     cal.add_argument("--tokens", type=int, default=256, help="tokens scored through each probe cache")
     cal.add_argument("--offset", type=int, default=0, help="first token of the text used")
-    cal.add_argument("--mode", default="probe", choices=["probe", "fisher"],
-                     help="probe: one forward per (layer, K or V, width), minutes; fisher: backward passes predict them, seconds")
+    cal.add_argument("--mode", default="fisher", choices=["fisher", "probe"],
+                     help="fisher: backward passes predict most cells (about a minute); probe: one forward per (layer, K or V, width), 10x longer")
     cal.add_argument("--draws", type=int, default=4, help="backward passes of --mode fisher")
     cal.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="model weights and activations")
     cal.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch default)")
