@@ -261,3 +261,27 @@ def test_missing_package_while_loading_the_model_names_the_install_line(monkeypa
     assert cli.main(["eval", *TINY]) == 2
     err = capsys.readouterr().err
     assert f"needs the optional package {package!r}" in err and 'pip install "kvpack[eval]"' in err
+
+
+def test_default_candidates_seeded_method_differs_from_the_registered_one_by_its_seed_only(monkeypatch):
+    """`candidate:k3v2-sN` is `turboquant:k3v2` with every codec's seed set to N (0, the codecs' default, is the
+    registered method) and nothing else changed."""
+    import importlib.util
+    from pathlib import Path
+
+    from kvpack import registry
+
+    monkeypatch.setattr(registry, "METHODS", dict(registry.METHODS))  # the script registers "candidate": undo it after
+    monkeypatch.setattr(registry, "_CANONICAL", list(registry._CANONICAL))
+    path = Path(__file__).resolve().parents[1] / "scripts" / "default_candidates.py"
+    spec = importlib.util.spec_from_file_location("default_candidates", path)
+    spec.loader.exec_module(importlib.util.module_from_spec(spec))
+    base = registry.get_method("turboquant:k3v2")
+    assert "seed" not in base.key.options and "seed" not in base.value.options  # the codecs' default seed, 0
+    for seed in (0, 3):
+        seeded = registry.get_method(f"candidate:k3v2-s{seed}")
+        for side in ("key", "value"):
+            spec = getattr(seeded, side)
+            assert spec.codec == getattr(base, side).codec and spec.options == {**getattr(base, side).options, "seed": seed}
+    with pytest.raises(ValueError, match="kXvY-sN"):
+        registry.get_method("candidate:k3v2-x")
