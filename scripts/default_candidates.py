@@ -4,8 +4,8 @@
         --methods dynamic,turboquant:k3v2,turboquant:k4v2,turboquant:k4v1,candidate:k3vq,candidate:k4vq \
         --json bench/results/default-candidates-smollm2-135m-2k.json
 
-`candidate:kXvY-sN` is `turboquant:kXvY` with its rotations (and everything else seeded) drawn from base seed N
-instead of 0: how much one draw of the random rotation moves a perplexity delta. `candidate:kXvq` is the default's key codec at X bits (centered, channel-scaled TurboQuant) with Shard's
+`candidate:kXvY-sN` is `turboquant:kXvY@seed=N` (any method name takes `@seed=N`): its rotations drawn from
+base seed N instead of 0, to see how much one draw of the random rotation moves a perplexity delta. `candidate:kXvq` is the default's key codec at X bits (centered, channel-scaled TurboQuant) with Shard's
 value codec (Hadamard + k-means VQ on groups of 4 channels, 8-bit indices, per-token RMS: 2.25 bits per
 value, as TurboQuant's 2-bit values). One codec pair serves the prompt and the stream; VQ fits on its
 first block. The measurements and the decision are in docs/decisions.md.
@@ -19,16 +19,14 @@ import sys
 from pathlib import Path
 
 from kvpack.cli import main
-from kvpack.registry import CodecSpec, MethodConfig, get_method, method
+from kvpack.registry import SEED_SUFFIX, CodecSpec, MethodConfig, get_method, method
 
 
 @method("candidate")
 def _candidate(arg: str) -> MethodConfig:
     seeded = re.fullmatch(r"(k[1-4]v[1-4])-s(\d+)", arg)
-    if seeded:  # a registered TurboQuant method with every codec's rotation drawn from another base seed
-        base = get_method(f"turboquant:{seeded[1]}")
-        seed = {"seed": int(seeded[2])}
-        return MethodConfig(f"candidate:{arg}", CodecSpec(base.key.codec, base.key.options | seed), CodecSpec(base.value.codec, base.value.options | seed))
+    if seeded:  # `turboquant:kXvY@seed=N` under the name these runs' JSON rows carry
+        return get_method(f"turboquant:{seeded[1]}{SEED_SUFFIX}{seeded[2]}").with_options(name=f"candidate:{arg}")
     match = re.fullmatch(r"k([2-4])vq", arg)
     if not match:
         raise ValueError(f"candidate takes kXvq with X in 2..4 (e.g. candidate:k4vq) or kXvY-sN, a TurboQuant method at rotation seed N (e.g. candidate:k3v2-s1), got {arg!r}")

@@ -367,3 +367,33 @@ def test_a_forward_that_broke_off_mid_layer_does_not_poison_the_next_forward():
     finally:
         kvpack.disable(model)
     assert torch.isfinite(out).all()
+
+
+def test_seed_suffix_is_another_draw_of_the_same_method():
+    """`name@seed=N` seeds every codec that draws at random (tiers and prompt codecs included) and leaves the rest: a
+    cache holds other codes for the same tokens in the same bytes. Suffixes that cannot apply are clear errors."""
+    base, other = get_method("tiered:512:tq"), get_method("tiered:512:tq@seed=4")
+    assert other.name == "tiered:512:tq@seed=4"
+    pairs = [(base.key, other.key), (base.value, other.value), *((t.key, u.key) for t, u in zip(base.tiers, other.tiers, strict=True))]
+    assert all(b.codec == a.codec and b.options == {**a.options, "seed": 4} for a, b in pairs)
+    shard, seeded = get_method("shard"), get_method("shard@seed=2")
+    assert (seeded.key, seeded.prefill_key) == (shard.key, shard.prefill_key)  # int8 stream, PCA keys: nothing random
+    assert seeded.prefill_value.options == {**shard.prefill_value.options, "seed": 2}
+    model = _tiny("llama")
+    ids = torch.randint(0, 128, (1, 300), generator=torch.Generator().manual_seed(7))
+    held = {}
+    kvpack.enable(model)
+    try:
+        for name in (kvpack.DEFAULT_METHOD, f"{kvpack.DEFAULT_METHOD}@seed=1"):
+            cache = kvpack.KVCache(model, name)
+            with torch.no_grad():
+                model(ids, past_key_values=cache)
+            held[name] = (cache.memory_report()["total_bytes"], cache.layers[0].segments[0].keys.codes)
+    finally:
+        kvpack.disable(model)
+    (bytes0, codes0), (bytes1, codes1) = held.values()
+    assert bytes0 == bytes1 and codes0.shape == codes1.shape and not torch.equal(codes0, codes1)
+    with pytest.raises(ValueError, match="draws nothing at random"):
+        get_method("int8@seed=1")
+    with pytest.raises(ValueError, match="non-negative integer"):
+        kvpack.KVCache(model, "turboquant:k3v2@seed=-1")

@@ -220,6 +220,43 @@ class MethodConfig:
     def with_options(self, **changes: Any) -> MethodConfig:
         return replace(self, **changes)
 
+    def with_seed(self, seed: int) -> MethodConfig:
+        """Another draw of this method: every codec that draws at random (rotations, sketches, k-means starts)
+        seeded from base `seed` instead of its default, named `name@seed=N`. At 3 bits one draw moves a
+        perplexity delta by up to ~1.7 points (docs/evaluation.md, "One draw of the rotation")."""
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+        specs = [self.key, self.value, self.prefill_key, self.prefill_value, *(s for t in self.tiers for s in (t.key, t.value)),
+                 *(s for e in self.layer_codecs for s in (e.key, e.value))]
+        if not any(_has_seed(s) for s in specs):
+            raise ValueError(f"method {self.name!r} draws nothing at random (none of its codecs takes a seed), so '@seed=' would not change it")
+        tiers = tuple(replace(t, key=_seeded(t.key, seed), value=_seeded(t.value, seed)) for t in self.tiers)
+        layers = tuple(replace(e, key=_seeded(e.key, seed), value=_seeded(e.value, seed)) for e in self.layer_codecs)
+        return replace(self, name=f"{self.name}{SEED_SUFFIX}{seed}", key=_seeded(self.key, seed), value=_seeded(self.value, seed),
+                       prefill_key=_seeded(self.prefill_key, seed), prefill_value=_seeded(self.prefill_value, seed), tiers=tiers, layer_codecs=layers)
+
+
+SEED_SUFFIX = "@seed="  # `turboquant:k3v2@seed=1`: the method's codecs drawn from another seed (`MethodConfig.with_seed`)
+
+
+def _has_seed(spec: CodecSpec | None) -> bool:
+    return spec is not None and any(f.name == "seed" for f in fields(type(spec.config)))
+
+
+def _seeded(spec: CodecSpec | None, seed: int) -> CodecSpec | None:
+    """`spec` with its config's `seed` set to `seed`; a codec without one (or no codec) as it is."""
+    return CodecSpec(spec.codec, {**spec.options, "seed": seed}) if _has_seed(spec) else spec
+
+
+def split_seed(method: str) -> tuple[str, int | None]:
+    """`"name[:args]@seed=N"` -> (`"name[:args]"`, N); a name without the suffix -> (name, None)."""
+    base, sep, seed = method.partition(SEED_SUFFIX)
+    if not sep:
+        return method, None
+    if not seed.isdigit():
+        raise ValueError(f"{method!r}: '{SEED_SUFFIX}' takes a non-negative integer, e.g. '{DEFAULT_METHOD}{SEED_SUFFIX}1'")
+    return base, int(seed)
+
 
 METHODS: dict[str, Callable[[str], MethodConfig]] = {}
 _CANONICAL: list[str] = []  # list_methods(), in registration order
@@ -369,11 +406,15 @@ DEFAULT_METHOD = "turboquant:k3v2"
 
 
 def get_method(method: str | MethodConfig) -> MethodConfig:
-    """Resolve `"name"` or `"name:args"` (e.g. `"turboquant:k3v3"`, `"kivi:2"`) to a MethodConfig."""
+    """Resolve `"name"` or `"name:args"` (e.g. `"turboquant:k3v3"`, `"kivi:2"`), optionally with `"@seed=N"`
+    (`MethodConfig.with_seed`), to a MethodConfig."""
     if isinstance(method, MethodConfig):
         return method
     if not isinstance(method, str):
         raise TypeError(f"method must be a name (e.g. {DEFAULT_METHOD!r}) or a MethodConfig, got {type(method).__name__}")
+    base, seed = split_seed(method)
+    if seed is not None:
+        return get_method(base).with_seed(seed)
     name, _, arg = method.partition(":")
     if name not in METHODS:
         raise ValueError(f"unknown method {method!r}; available: {', '.join(list_methods())}")

@@ -8,7 +8,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
 
 from .. import kernels
-from ..registry import DEFAULT_METHOD, CodecSpec, MethodConfig, get_method
+from ..registry import DEFAULT_METHOD, CodecSpec, MethodConfig, get_method, split_seed
 from .budget import BudgetEvent, LayerShare, MemoryBudget, rematerialize
 from .layer import DEBUG, PENDING, KVPackLayer, deepcopy_sharing
 from .tracker import QualityTracker
@@ -86,6 +86,9 @@ def _specs(method: MethodConfig) -> list[CodecSpec]:
 
 def _resolve(method: str | MethodConfig, model_or_config) -> MethodConfig:
     """A registry name or config; `auto:<target>` reads the model's calibration profile (kvpack/auto.py)."""
+    if isinstance(method, str) and split_seed(method)[1] is not None:
+        base, seed = split_seed(method)
+        return _resolve(base, model_or_config).with_seed(seed)
     if isinstance(method, str) and method.partition(":")[0] == "auto":
         from ..auto import auto_method
 
