@@ -220,15 +220,19 @@ class MethodConfig:
     def with_options(self, **changes: Any) -> MethodConfig:
         return replace(self, **changes)
 
+    def specs(self) -> list[CodecSpec]:
+        """Every codec spec the method names: stream, prompt, tiers and per-layer overrides."""
+        tiers = [spec for tier in self.tiers for spec in (tier.key, tier.value)]
+        layers = [spec for entry in self.layer_codecs for spec in (entry.key, entry.value)]
+        return [s for s in (self.key, self.value, self.prefill_key, self.prefill_value, *tiers, *layers) if s is not None]
+
     def with_seed(self, seed: int) -> MethodConfig:
         """Another draw of this method: every codec that draws at random (rotations, sketches, k-means starts)
         seeded from base `seed` instead of its default, named `name@seed=N`. At 3 bits one draw moves a
         perplexity delta by up to ~1.7 points (docs/evaluation.md, "One draw of the rotation")."""
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
             raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
-        specs = [self.key, self.value, self.prefill_key, self.prefill_value, *(s for t in self.tiers for s in (t.key, t.value)),
-                 *(s for e in self.layer_codecs for s in (e.key, e.value))]
-        if not any(_has_seed(s) for s in specs):
+        if not any(_has_seed(s) for s in self.specs()):
             raise ValueError(f"method {self.name!r} draws nothing at random (none of its codecs takes a seed), so '@seed=' would not change it")
         tiers = tuple(replace(t, key=_seeded(t.key, seed), value=_seeded(t.value, seed)) for t in self.tiers)
         layers = tuple(replace(e, key=_seeded(e.key, seed), value=_seeded(e.value, seed)) for e in self.layer_codecs)
@@ -240,7 +244,7 @@ SEED_SUFFIX = "@seed="  # `turboquant:k3v2@seed=1`: the method's codecs drawn fr
 
 
 def _has_seed(spec: CodecSpec | None) -> bool:
-    return spec is not None and any(f.name == "seed" for f in fields(type(spec.config)))
+    return spec is not None and any(f.name == "seed" for f in fields(spec.config))
 
 
 def _seeded(spec: CodecSpec | None, seed: int) -> CodecSpec | None:

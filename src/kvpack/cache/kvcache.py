@@ -8,7 +8,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
 
 from .. import kernels
-from ..registry import DEFAULT_METHOD, CodecSpec, MethodConfig, get_method, split_seed
+from ..registry import DEFAULT_METHOD, MethodConfig, get_method, split_seed
 from .budget import BudgetEvent, LayerShare, MemoryBudget, rematerialize
 from .layer import DEBUG, PENDING, KVPackLayer, deepcopy_sharing
 from .tracker import QualityTracker
@@ -78,16 +78,10 @@ def _on_cpu(model) -> bool:
         return False
 
 
-def _specs(method: MethodConfig) -> list[CodecSpec]:
-    tiers = [spec for tier in method.tiers for spec in (tier.key, tier.value)]
-    layers = [spec for entry in method.layer_codecs for spec in (entry.key, entry.value)]
-    return [s for s in (method.key, method.value, method.prefill_key, method.prefill_value, *tiers, *layers) if s is not None]
-
-
 def _resolve(method: str | MethodConfig, model_or_config) -> MethodConfig:
     """A registry name or config; `auto:<target>` reads the model's calibration profile (kvpack/auto.py)."""
-    if isinstance(method, str) and split_seed(method)[1] is not None:
-        base, seed = split_seed(method)
+    base, seed = split_seed(method) if isinstance(method, str) else (method, None)
+    if seed is not None:  # `name@seed=N`: the same method, its random codecs drawn again
         return _resolve(base, model_or_config).with_seed(seed)
     if isinstance(method, str) and method.partition(":")[0] == "auto":
         from ..auto import auto_method
@@ -97,7 +91,7 @@ def _resolve(method: str | MethodConfig, model_or_config) -> MethodConfig:
 
 
 def _uses_positions(method: MethodConfig) -> bool:
-    return any(spec.codec_class.uses_positions for spec in _specs(method))
+    return any(spec.codec_class.uses_positions for spec in method.specs())
 
 
 def _check_codecs(method: MethodConfig, text, model_type: str, has_model: bool) -> None:
@@ -105,7 +99,7 @@ def _check_codecs(method: MethodConfig, text, model_type: str, has_model: bool) 
     heads = text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    for spec in _specs(method):
+    for spec in method.specs():
         if spec.codec_class.uses_positions and not has_model:
             raise ValueError(
                 f"method {method.name!r} stores keys without RoPE (codec {spec.codec!r}): pass the model, not its config, "
