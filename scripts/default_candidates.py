@@ -5,7 +5,8 @@
         --json bench/results/default-candidates-smollm2-135m-2k.json
 
 `candidate:kXvY-sN` is `turboquant:kXvY@seed=N` (any method name takes `@seed=N`): its rotations drawn from
-base seed N instead of 0, to see how much one draw of the random rotation moves a perplexity delta. `candidate:kXvq` is the default's key codec at X bits (centered, channel-scaled TurboQuant) with Shard's
+base seed N instead of 0, to see how much one draw of the random rotation moves a perplexity delta.
+`candidate:kXvY-wN` is `turboquant:kXvY` with an exact window of N tokens instead of 64. `candidate:kXvq` is the default's key codec at X bits (centered, channel-scaled TurboQuant) with Shard's
 value codec (Hadamard + k-means VQ on groups of 4 channels, 8-bit indices, per-token RMS: 2.25 bits per
 value, as TurboQuant's 2-bit values). One codec pair serves the prompt and the stream; VQ fits on its
 first block. The measurements and the decision are in docs/decisions.md.
@@ -27,9 +28,12 @@ def _candidate(arg: str) -> MethodConfig:
     seeded = re.fullmatch(r"(k[1-4]v[1-4])-s(\d+)", arg)
     if seeded:  # `turboquant:kXvY@seed=N` under the name these runs' JSON rows carry
         return get_method(f"turboquant:{seeded[1]}{SEED_SUFFIX}{seeded[2]}").with_options(name=f"candidate:{arg}")
+    windowed = re.fullmatch(r"(k[1-4]v[1-4])-w(\d+)", arg)
+    if windowed:  # `turboquant:kXvY` with an exact window of N tokens (blocks of 64 still leave it)
+        return get_method(f"turboquant:{windowed[1]}").with_options(window=int(windowed[2]), name=f"candidate:{arg}")
     match = re.fullmatch(r"k([2-4])vq", arg)
     if not match:
-        raise ValueError(f"candidate takes kXvq with X in 2..4 (e.g. candidate:k4vq) or kXvY-sN, a TurboQuant method at rotation seed N (e.g. candidate:k3v2-s1), got {arg!r}")
+        raise ValueError(f"candidate takes kXvq with X in 2..4 (e.g. candidate:k4vq) , kXvY-sN (a TurboQuant method at rotation seed N, e.g. candidate:k3v2-s1) or kXvY-wN (window N), got {arg!r}")
     key = CodecSpec("turboquant", {"bits": int(match[1]), "center": True, "channel_scale": 0.5})
     return MethodConfig(f"candidate:{arg}", key, CodecSpec("vq", {"token_norm": True}))
 

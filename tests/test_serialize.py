@@ -90,6 +90,11 @@ def _snapshot(cache) -> dict:
             out[f"{i}.{j}"] = (seg.kind, seg.start, seg.length, type(seg.keys), type(seg.values))
             for side, packed in (("k", seg.keys), ("v", seg.values)):
                 out.update({f"{i}.{j}.{side}.{f.name}": getattr(packed, f.name) for f in dataclasses.fields(packed)})
+        if layer.anchors is not None:
+            a = layer.anchors
+            out[f"{i}.anchors"] = (a.index, a.k, a.v, a.source_kind, type(a.key_codec), type(a.value_codec))
+            for side, packed in (("k", a.keys), ("v", a.values)):
+                out.update({f"{i}.anchors.{side}.{f.name}": getattr(packed, f.name) for f in dataclasses.fields(packed)})
         out[f"{i}.dequantized"] = layer.dequantized()  # every codec's full state (seeded rotations included) at work
     return out
 
@@ -113,9 +118,10 @@ def _assert_same_state(a, b) -> None:
 
 
 # -- round trips -------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("method", kvpack.list_methods())
+@pytest.mark.parametrize("method", [*kvpack.list_methods(), "turboquant:k3v2@anchors=5%", "shard@anchors=5%"])
 def test_round_trip_is_bit_exact_and_generation_continues_identically(tiny, method, tmp_path):
     cache, seq = _filled(tiny, method)
+    assert ("@anchors=" in method) == all(layer.anchors is not None for layer in cache.compressed_layers())
     plain = save_cache(cache, tmp_path / "plain.kvpack")
     packed = save_cache(cache, tmp_path / "z.kvpack", compress=True)
     assert plain["bytes_on_disk"] == (tmp_path / "plain.kvpack").stat().st_size and plain["tokens"] == PROMPT - 1

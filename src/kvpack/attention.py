@@ -13,6 +13,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from . import kernels
+from .cache import anchors
+from .cache.anchors import Anchors
 from .cache.layer import PENDING, KVPackLayer
 from .codecs.base import group_query, ungroup
 from .kernels import fused, ops
@@ -47,7 +49,7 @@ class Partial:
 
 
 def _apply_mask(scores: torch.Tensor, mask: torch.Tensor | None, cols: slice, causal_from: int | None, softcap: float | None) -> torch.Tensor:
-    """Softcap, then mask columns `cols` of the layer's key range.
+    """Softcap, then mask columns `cols` (a slice, or a `(t,)` long tensor of key indices) of the layer's key range.
 
     `mask`: transformers' bool mask (b, 1|h, lq, kv_len), True = attend; None means no padding,
     and then `causal_from` (the key index of the first query) gives the causal limit.
@@ -62,7 +64,7 @@ def _apply_mask(scores: torch.Tensor, mask: torch.Tensor | None, cols: slice, ca
     if causal_from is not None:
         lq, t = scores.shape[-2], scores.shape[-1]
         q_idx = causal_from + torch.arange(lq, device=scores.device).unsqueeze(1)
-        k_idx = cols.start + torch.arange(t, device=scores.device).unsqueeze(0)
+        k_idx = (cols.start + torch.arange(t, device=scores.device) if isinstance(cols, slice) else cols.to(scores.device)).unsqueeze(0)
         return scores.masked_fill(k_idx > q_idx, float("-inf"))
     return scores
 
@@ -120,8 +122,11 @@ def _segmented(layer: KVPackLayer, query: torch.Tensor, mask, scaling: float, so
     for seg in layer.segments:
         cols = slice(seg.start, seg.start + seg.length)
         s = seg.key_codec.scores(query, seg.keys, q_pos, layer.positions(seg.start, seg.length)) * scaling
-        s = _apply_mask(s, mask, cols, causal_from, softcap)
+        s = _skip_anchors(layer, seg, _apply_mask(s, mask, cols, causal_from, softcap))
         partial.add(s, lambda p, seg=seg: seg.value_codec.weighted_sum(p, seg.values))
+    a = layer.anchors
+    if a is not None:  # their exact rows, in place of the codes their segment left out
+        _exact(partial, query, a.k, a.v, scaling, mask, a.index, causal_from, softcap)
     w = layer.win_k.shape[2]
     _exact(partial, query, layer.win_k, layer.win_v, scaling, mask, slice(layer.length - w, layer.length), causal_from, softcap)
     return partial.result()
@@ -151,8 +156,16 @@ def fused_decode(layer: KVPackLayer, query: torch.Tensor, scaling: float) -> tor
                 return None
             parts.append(part)
             kinds.append(kind)
+    a = layer.anchors
+    if a is not None:
+        exact = fused.exact_partial(q, a.k, a.v, scaling)
+        if exact is None:
+            return None
+        parts.append(exact)
+        kinds.append(anchors.KIND)
     for seg in layer.segments:
-        parts.append(fused.segment_partial(q, seg, scaling, _first_position(layer, seg)) or _codec_partial(layer, seg, query, scaling))
+        skip = None if a is None else a.skip_in(seg)
+        parts.append(fused.segment_partial(q, seg, scaling, _first_position(layer, seg), skip) or _codec_partial(layer, seg, query, scaling))
         kinds.append(seg.kind)
     if layer.tracker is not None:  # attention mass per part, from the partials: the adaptive boundary's live signal
         layer.tracker.on_decode(layer, kinds, parts)
@@ -163,11 +176,36 @@ def _ops_decode(layer: KVPackLayer, q: torch.Tensor, query: torch.Tensor, scalin
     """The decode step through the device-dispatched custom ops; codecs without an op use their own math."""
     exact = [(kind, k, v) for kind, k, v in (("sink", layer.sink_k, layer.sink_v), ("window", layer.win_k, layer.win_v)) if k.shape[2]]
     parts = [fused.ops_exact_partial(q, k, v, scaling) for _, k, v in exact]
+    kinds = [kind for kind, _, _ in exact]
+    a = layer.anchors
+    if a is not None:
+        parts.append(fused.ops_exact_partial(q, a.k, a.v, scaling))
+        kinds.append(anchors.KIND)
     for seg in layer.segments:
-        parts.append(fused.ops_segment_partial(q, seg, scaling, _first_position(layer, seg)) or _codec_partial(layer, seg, query, scaling))
+        part = fused.ops_segment_partial(q, seg, scaling, _first_position(layer, seg))
+        if part is None:
+            part = _codec_partial(layer, seg, query, scaling)  # leaves the anchors out itself
+        elif a is not None and a.skip_in(seg) is not None:  # the op counted the anchors' codes: cancel them
+            parts.append(_negated(fused.ops_segment_partial(q, a, scaling) or _codec_partial(layer, a, query, scaling)))
+            kinds.append(seg.kind)
+        parts.append(part)
+        kinds.append(seg.kind)
     if layer.tracker is not None:
-        layer.tracker.on_decode(layer, [kind for kind, _, _ in exact] + [seg.kind for seg in layer.segments], parts)
+        layer.tracker.on_decode(layer, kinds, parts)
     return fused.merge_torch(parts)
+
+
+def _skip_anchors(layer: KVPackLayer, seg, s: torch.Tensor) -> torch.Tensor:
+    """Scores `s (..., seg.length)` with the columns of the anchors `seg` holds at -inf (their exact copies are another part)."""
+    skip = None if layer.anchors is None else layer.anchors.skip_in(seg)
+    return s if skip is None else s.index_fill(-1, skip.to(s.device), float("-inf"))
+
+
+def _negated(part: fused.Partial) -> fused.Partial:
+    """A partial that takes its tokens back out of the merge: l and o negated (the merge never takes log l). The
+    device ops cannot leave the anchors out of their segment, so their codes' own partial cancels them."""
+    m, denom, o = part
+    return m, -denom, -o
 
 
 def _first_position(layer: KVPackLayer, seg):
@@ -176,9 +214,12 @@ def _first_position(layer: KVPackLayer, seg):
 
 
 def _codec_partial(layer: KVPackLayer, seg, query: torch.Tensor, scaling: float) -> fused.Partial:
-    """A segment without a fused kernel: its codecs' `scores` / `weighted_sum`, as a grouped partial."""
+    """A segment (or the anchors' codes) without a fused kernel: its codecs' `scores` / `weighted_sum`, as a grouped partial."""
     q_pos = layer.positions(layer.length - query.shape[2], query.shape[2])
-    s = seg.key_codec.scores(query, seg.keys, q_pos, layer.positions(seg.start, seg.length)) * scaling
+    if isinstance(seg, Anchors):
+        s = seg.key_codec.scores(query, seg.keys, q_pos, layer.positions_of(seg.index)) * scaling
+    else:
+        s = _skip_anchors(layer, seg, seg.key_codec.scores(query, seg.keys, q_pos, layer.positions(seg.start, seg.length)) * scaling)
     m = s.amax(-1, keepdim=True)
     p = torch.exp(s - m)
     o = seg.value_codec.weighted_sum(p, seg.values)
@@ -209,7 +250,7 @@ def kvpack_attention_forward(module, query, key, value, attention_mask, dropout:
         out = fused_decode(layer, query, scaling)
     if out is None:
         out = segmented_attention(layer, query, attention_mask, scaling, kwargs.get("softcap"))
-    layer.observe_queries(query)
+    layer.observe_queries(query, scaling)
     layer.flush()
     return out.to(query.dtype).transpose(1, 2).contiguous(), None
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ._optional import MissingDependency, install_line
+from .cache import anchors
 from .cache.kvcache import KVCache
 from .cache.layer import KVPackLayer
 from .cache.tracker import LayerQuality, TierQuality
@@ -95,6 +96,9 @@ def _layer_tiers(layer: KVPackLayer) -> Iterator[tuple[str, int, int]]:
         rows[seg.kind] = (tokens + seg.length, nbytes + seg.nbytes())
     for kind, (tokens, nbytes) in rows.items():
         yield kind, tokens, nbytes
+    held = layer.anchors  # read once: the exporter may run while the generating thread crops
+    if held is not None:  # exact copies of tokens a segment above already counts
+        yield anchors.KIND, held.count, held.nbytes()
     yield "hot", layer.win_k.shape[2], mem["window"]
 
 
@@ -126,7 +130,7 @@ def collect(cache: KVCache) -> CacheMetrics:
                 continue
             per_token = layer.batch * layer.kv_heads * (layer.head_dim + layer.v_head_dim) * FP16_BYTES
             for tier, tokens, nbytes in _layer_tiers(layer):
-                tally.add(tier, tokens, nbytes, tokens * per_token)
+                tally.add(tier, tokens, nbytes, 0 if tier == anchors.KIND else tokens * per_token)  # anchors: no tokens of their own
             state += layer.memory()["codec_state"]
         elif getattr(layer, "is_initialized", False):
             tokens, nbytes, fp16 = _sliding(layer)

@@ -8,7 +8,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
 
 from .. import kernels
-from ..registry import DEFAULT_METHOD, MethodConfig, get_method, split_seed
+from ..registry import DEFAULT_METHOD, MethodConfig, apply_suffixes, get_method, split_suffixes
 from .budget import BudgetEvent, LayerShare, MemoryBudget, rematerialize
 from .layer import DEBUG, PENDING, KVPackLayer, deepcopy_sharing
 from .tracker import QualityTracker
@@ -80,9 +80,9 @@ def _on_cpu(model) -> bool:
 
 def _resolve(method: str | MethodConfig, model_or_config) -> MethodConfig:
     """A registry name or config; `auto:<target>` reads the model's calibration profile (kvpack/auto.py)."""
-    base, seed = split_seed(method) if isinstance(method, str) else (method, None)
-    if seed is not None:  # `name@seed=N`: the same method, its random codecs drawn again
-        return _resolve(base, model_or_config).with_seed(seed)
+    base, suffixes = split_suffixes(method) if isinstance(method, str) else (method, {})
+    if suffixes:  # `name@seed=N`, `name@anchors=P%`: options of the same method
+        return apply_suffixes(_resolve(base, model_or_config), suffixes)
     if isinstance(method, str) and method.partition(":")[0] == "auto":
         from ..auto import auto_method
 
@@ -106,12 +106,17 @@ def _check_codecs(method: MethodConfig, text, model_type: str, has_model: bool) 
                 "so kvpack can read the rotary embedding (KVCache(model, ...))"
             )
         try:
-            spec.build(head_dim, kv_heads)
+            codec = spec.build(head_dim, kv_heads)
         except ValueError as err:
             raise ValueError(
                 f"method {method.name!r} cannot run on {model_type!r} with head_dim {head_dim} and {kv_heads} kv heads: {err}. "
                 "int8 and turboquant (e.g. 'turboquant:k3v3') work with any head size"
             ) from err
+        if method.anchors and codec.token_multiple > 1:
+            raise ValueError(
+                f"method {method.name!r}: anchors need a codec that codes each token on its own, and {spec.codec!r} codes groups "
+                f"of {codec.token_multiple} tokens together; drop '@anchors=' or use a per-token method such as 'turboquant:k3v2'"
+            )
 
 
 def _rope_per_layer(model, kinds: list[tuple[str, int | None]]) -> list[tuple[torch.Tensor, float] | None]:

@@ -17,9 +17,11 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from ..codecs.base import Codec, Packed, slice_packed
+from ..primitives.attention_mass import most_attended, received_attention
 from ..primitives.validation import DEBUG, checks_values, count_non_finite
 from ..registry import EXACT_DTYPES, CodecSpec, MethodConfig
 from . import budget
+from .anchors import Anchors
 from .blocks import BlockRun
 
 # The layer whose update kvpack attention must read next, per thread: if the model's attention finds
@@ -161,6 +163,8 @@ class KVPackLayer(CacheLayerMixin):
         # The last prompt queries kvpack attention saw, kept until the prompt's codecs are fitted
         # (codecs with `fits_on_queries`, e.g. Shard's PCA choosing its rank by score error).
         self.fit_queries: torch.Tensor | None = None
+        self.fit_scaling: float | None = None  # the attention scale those queries were read with
+        self.anchors: Anchors | None = None  # prompt tokens kept exact beside their codes (MethodConfig.anchors)
         # (start, tokens, segment kind) of compressed tokens evicted to keep a memory budget (kvpack.cache.budget)
         self.evicted: tuple[tuple[int, int, str], ...] = ()
         self.is_initialized = False
@@ -348,6 +352,8 @@ class KVPackLayer(CacheLayerMixin):
             n_sink = min(keep, self.sink_k.shape[2])
             self.sink_k, self.sink_v = self.sink_k[:, :, :n_sink], self.sink_v[:, :, :n_sink]
             self.evicted = tuple((s, min(n, keep - s), kind) for s, n, kind in self.evicted if s < keep)
+        if self.anchors is not None:
+            self.anchors = self.anchors.truncate(keep)
         self.length = keep
 
     def _cut_last_segment(self, cut: int) -> None:
@@ -366,13 +372,15 @@ class KVPackLayer(CacheLayerMixin):
             self.segments.pop()
 
     # -- compression ---------------------------------------------------------------------------
-    def observe_queries(self, query: torch.Tensor) -> None:
-        """Keep the last `FIT_QUERIES` real query rows `(batch, q_heads, m, d)` seen while nothing is fitted yet.
+    def observe_queries(self, query: torch.Tensor, scaling: float | None = None) -> None:
+        """Keep the last `FIT_QUERIES` real query rows `(batch, q_heads, m, d)` seen while nothing is fitted yet,
+        for codecs that fit on queries and to choose anchors (`scaling`: the attention scale they are read with).
 
         Rows accumulate over forwards, so a short prompt followed by decode steps still fits on many queries.
         """
-        if self.segments or not self._fits_on_queries():
+        if self.segments or not (self._fits_on_queries() or self.method.anchors):
             return
+        self.fit_scaling = scaling
         real = query.shape[2] - (self.pad_max if self.updates == 1 else 0)  # left padding leads the first forward
         rows = query[:, :, query.shape[2] - max(real, 0) :].detach().float()
         if self.fit_queries is not None:
@@ -408,11 +416,11 @@ class KVPackLayer(CacheLayerMixin):
             return
         k, v = self.win_k[:, :, :n], self.win_v[:, :, :n]
         start = self.length - self.win_k.shape[2]
+        chosen = self._choose_anchors(start, n) if first else None
         if prefill:
             positions = self.positions(start, n)
             kc.fit(k, positions, **({"queries": self.fit_queries} if kc.fits_on_queries else {}))
             vc.fit(v, positions, **({"queries": self.fit_queries} if vc.fits_on_queries else {}))
-            self.fit_queries = None
         # Tokens already past an older tier's boundary (a long prompt) go straight to that tier: no double encode.
         done = 0
         for level in range(len(self.method.tiers), 0, -1) if not prefill else ():
@@ -421,10 +429,27 @@ class KVPackLayer(CacheLayerMixin):
                 self.store(f"tier{level}", k[:, :, done : done + m], v[:, :, done : done + m], start + done)
                 done += m
         self.store(kind, k[:, :, done:], v[:, :, done:], start + done)
+        if chosen is not None:
+            seg = next(seg for seg in self.segments if seg.start == start)  # tiers and anchors never mix: one segment
+            self.anchors = Anchors.gather(seg, start + chosen, k.index_select(2, chosen), v.index_select(2, chosen))
+        self.fit_queries = None
         self.win_k, self.win_v = self.win_k[:, :, n:].contiguous(), self.win_v[:, :, n:].contiguous()
         if self.tracker is not None:  # the only moment the block's originals sit next to its encoding
             self.tracker.on_flush(self, k, v, start)
         self._demote()
+
+    def _choose_anchors(self, start: int, n: int) -> torch.Tensor | None:
+        """Indices `(h,)` into the prompt's tokens [start, start + n) to keep exact (`MethodConfig.anchors` of them, at
+        least one): those the prompt's last queries attend to most. None without anchors or without queries (the
+        prompt ran without kvpack attention)."""
+        if not self.method.anchors or self.fit_queries is None or self.fit_scaling is None:
+            return None
+        keys = torch.cat([self.sink_k, self.win_k], dim=2)  # every token so far: nothing is compressed yet
+        rows = min(self.fit_queries.shape[2], keys.shape[2])
+        first_valid = self.pad  # left padding sits in the sinks; its keys are never attended
+        mass = received_attention(self.fit_queries[:, :, -rows:], keys, self.fit_scaling, first_valid)
+        count = min(n, max(1, round(self.method.anchors * n)))
+        return most_attended(mass[:, start : start + n], count).to(self.win_k.device)
 
     def store(self, kind: str, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
         """Encode tokens [start, start + n) with `kind`'s codecs, appending to the segment that ends at `start`."""
@@ -473,7 +498,10 @@ class KVPackLayer(CacheLayerMixin):
         return seg.key_codec.decode(slice_packed(seg.keys, 0, n), pos), seg.value_codec.decode(slice_packed(seg.values, 0, n), pos)
 
     def note_evicted(self, start: int, n: int, kind: str) -> None:
-        """Record tokens [start, start + n) of segment kind `kind` as evicted (merged with a contiguous chunk of that kind)."""
+        """Record tokens [start, start + n) of segment kind `kind` as evicted (merged with a contiguous chunk of that kind);
+        anchors among them go too (their codes no longer count, so nothing is left to cancel)."""
+        if self.anchors is not None:
+            self.anchors = self.anchors.without(start, start + n)
         chunks = list(self.evicted)
         if chunks and chunks[-1][0] + chunks[-1][1] == start and chunks[-1][2] == kind:
             chunks[-1] = (chunks[-1][0], chunks[-1][1] + n, kind)
@@ -537,6 +565,11 @@ class KVPackLayer(CacheLayerMixin):
         return m.key if side == "key" else m.value
 
     # -- reading -------------------------------------------------------------------------------
+    def positions_of(self, index: torch.Tensor) -> torch.Tensor:
+        """RoPE positions `(batch, n)` of logical tokens `index (n,)`."""
+        idx = index.to(self.device).unsqueeze(0).expand(self.batch, -1)
+        return idx if self.pos_offset is None else idx + self.pos_offset.unsqueeze(1)
+
     def positions(self, start: int, count: int) -> torch.Tensor:
         """RoPE positions `(batch, count)` of logical tokens [start, start + count)."""
         idx = torch.arange(start, start + count, device=self.device).unsqueeze(0).expand(self.batch, -1)
@@ -570,7 +603,8 @@ class KVPackLayer(CacheLayerMixin):
             codec, packed = (seg.key_codec, seg.keys) if k else (seg.value_codec, seg.values)
             parts.append(codec.decode(packed, self.positions(seg.start, seg.length)))
         parts.append(self.win_k if k else self.win_v)
-        return torch.cat([p.to(self.dtype) for p in parts], dim=2)
+        full = torch.cat([p.to(self.dtype) for p in parts], dim=2)
+        return full if self.anchors is None else self.anchors.overwrite(full, side)
 
     # -- accounting ----------------------------------------------------------------------------
     def memory(self) -> dict[str, int]:
@@ -582,6 +616,8 @@ class KVPackLayer(CacheLayerMixin):
         for seg in self.segments:
             key = f"{seg.kind}:{seg.key_codec.name}/{seg.value_codec.name}"
             out[key] = out.get(key, 0) + seg.nbytes()
+        if self.anchors is not None:
+            out["anchors"] = self.anchors.nbytes()
         out["codec_state"] = sum(c.state_nbytes() for c in self._codecs.values())
         return out
 
@@ -627,4 +663,6 @@ class KVPackLayer(CacheLayerMixin):
             self.pad = fn(self.pad)
         if self.fit_queries is not None:
             self.fit_queries = fn(self.fit_queries)
+        if self.anchors is not None:
+            self.anchors = self.anchors.map(fn)
         self.batch = self.sink_k.shape[0]

@@ -34,6 +34,7 @@ from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from ..codecs.base import Packed
 from ..registry import CODECS, CodecSpec, LayerCodecs, MethodConfig, Tier, get_method
+from .anchors import Anchors
 from .kvcache import KVCache, _rope_per_layer, _text_config, layer_kinds
 from .layer import KVPackLayer, Segment
 
@@ -66,6 +67,7 @@ LAYER_ATTRIBUTES = frozenset({
     "method", "layer_idx", "model_config", "rope", "length", "updates", "sink_k", "sink_v", "win_k", "win_v", "segments",
     "pos_offset", "pad", "pad_max", "_codecs", "pending_attention", "is_initialized", "dtype", "device", "batch", "kv_heads",
     "head_dim", "v_head_dim", "exact_dtype", "keys", "values", "fit_queries", "evicted", "budget", "_first_position",
+    "fit_scaling", "anchors",
 })
 
 
@@ -171,6 +173,10 @@ def _save_kvpack_layer(layer: KVPackLayer, prefix: str, tensors: dict[str, torch
             "keys": _save_packed(seg.keys, f"{prefix}.segments.{j}.keys", tensors),
             "values": _save_packed(seg.values, f"{prefix}.segments.{j}.values", tensors),
         })
+    if layer.anchors is not None:  # the exact rows and their indices; loading gathers their codes from the segment again
+        for part in ("index", "k", "v"):
+            tensors[f"{prefix}.anchors.{part}"] = getattr(layer.anchors, part)
+        entry["anchors"] = layer.anchors.count
     return entry
 
 
@@ -313,6 +319,21 @@ def _restore_kvpack_layer(layer: KVPackLayer, entry: dict, tensors: _Tensors, pa
         layer.segments.append(Segment(seg["kind"], kc, vc, keys, values, int(seg["start"])))
     layer.length, layer.updates = int(entry["length"]), int(entry["updates"])
     _check_layer_layout(layer, tensors.prefix, path)
+    if "anchors" in entry:
+        layer.anchors = _load_anchors(layer, int(entry["anchors"]), tensors, path)
+
+
+def _load_anchors(layer: KVPackLayer, count: int, tensors: _Tensors, path: Path) -> Anchors:
+    """The anchors' exact rows, checked, with their codes gathered again from the one segment that holds them all."""
+    b, h = layer.batch, layer.kv_heads
+    index = _checked(tensors.get("anchors.index"), (count,), torch.long, f"{tensors.prefix}.anchors.index", path)
+    k = _checked(tensors.get("anchors.k"), (b, h, count, layer.head_dim), layer.exact_dtype, f"{tensors.prefix}.anchors.k", path)
+    v = _checked(tensors.get("anchors.v"), (b, h, count, layer.v_head_dim), layer.exact_dtype, f"{tensors.prefix}.anchors.v", path)
+    first, last = (int(index.min()), int(index.max())) if count else (0, -1)
+    seg = next((s for s in layer.segments if s.start <= first and last < s.start + s.length), None)
+    if not count or seg is None or not bool((index[1:] > index[:-1]).all()):
+        raise CacheFileError(_corrupted_message(path, f"{tensors.prefix}: its anchors {index.tolist()} are not ascending tokens of one compressed segment"))
+    return Anchors.gather(seg, index, k, v)
 
 
 def _load_packed(entry: dict, tensors: _Tensors, prefix: str, batch: int, path: Path) -> Packed:

@@ -32,6 +32,7 @@ import torch
 
 from ..codecs.base import slice_packed
 from ..registry import CodecSpec, MethodConfig
+from . import anchors
 from .layer import KVPackLayer
 
 if TYPE_CHECKING:
@@ -197,7 +198,7 @@ class QualityTracker:
         for kind, mass in zip(kinds, part_masses(parts).tolist(), strict=True):
             masses[kind] = masses.get(kind, 0.0) + mass
         error = sum(mass * errors.get(kind, 0.0) for kind, mass in masses.items())
-        complete = all(kind in errors or kind in ("sink", "window") or mass == 0 for kind, mass in masses.items())
+        complete = all(kind in errors or kind in ("sink", "window", anchors.KIND) or mass == 0 for kind, mass in masses.items())
         boundary = layer.method.tiers[0].after if layer.method.tiers else None
         with self._lock:
             self._estimates.append(DecodeEstimate(layer.layer_idx, masses, error, boundary, complete))

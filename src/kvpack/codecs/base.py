@@ -69,6 +69,16 @@ def slice_packed(packed: Packed, start: int, stop: int) -> Packed:
     return dataclasses.replace(packed, **changes)
 
 
+def gather_packed(packed: Packed, index: torch.Tensor) -> Packed:
+    """Tokens `index (n,)` (long, any order) of a packed block of a per-token codec (`token_multiple == 1`), copied."""
+    changes: dict[str, Any] = {"num_tokens": int(index.numel())}
+    for f in dataclasses.fields(packed):
+        value = getattr(packed, f.name)
+        if isinstance(value, torch.Tensor):
+            changes[f.name] = value.index_select(2, index.to(value.device))
+    return dataclasses.replace(packed, **changes)
+
+
 def check_state(
     name: str, state: dict[str, torch.Tensor], expected: dict[str, tuple[tuple[int | None, ...], torch.dtype]], together: bool = True
 ) -> None:

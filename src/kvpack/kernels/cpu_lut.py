@@ -195,7 +195,7 @@ def _check_rows(name: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple) ->
 
 
 def tq_attention(q_rot, row_offset, k_codes, k_norm, k_cent, k_bits: int, v_codes, v_norm, v_cent, v_bits: int, scale: float,
-                 validate: bool = True):
+                 validate: bool = True, skip: torch.Tensor | None = None):
     """Online-softmax partial over a TurboQuant K/V segment, V accumulated in its rotated space.
 
     q_rot (B, H, R <= 16, d) f32 (query rotated and scaled for the key codec); row_offset (B, H, R, 1)
@@ -203,11 +203,12 @@ def tq_attention(q_rot, row_offset, k_codes, k_norm, k_cent, k_bits: int, v_code
     store them (token-narrowed views allowed); s = scale · (norm·<q_rot, c[code]> + row_offset).
     Returns m, l (B, H, R, 1) and o (B, H, R, d) f32: max score, Σ exp(s - m), Σ exp(s - m)·v̂_rot.
     `validate=False` (the cache's own decode calls, whose codecs built these tensors) skips the Python
-    checks, ~10 us per call; the C++ side still checks layouts.
+    checks, ~10 us per call; the C++ side still checks layouts. `skip` (S,) i64: ascending token offsets
+    left out of the partial for every row and head (a segment's anchors, kept exact elsewhere), or None.
     """
     if not validate:
         off = torch.empty(0) if row_offset is None else row_offset
-        return tuple(_ext().tq_attention(q_rot, off, k_codes, k_norm, k_cent, k_bits, v_codes, v_norm, v_cent, v_bits, float(scale)))
+        return tuple(_ext().tq_attention(q_rot, off, k_codes, k_norm, k_cent, k_bits, v_codes, v_norm, v_cent, v_bits, float(scale), _skip(skip)))
     q_rot = _check("q_rot", q_rot, torch.float32, (None, None, None, None))
     b, h, r, d = q_rot.shape
     if r > MAX_FUSED_ROWS:
@@ -223,22 +224,38 @@ def tq_attention(q_rot, row_offset, k_codes, k_norm, k_cent, k_bits: int, v_code
     v_norm = _check_rows("v_norm", v_norm, torch.float16, (b, h, t, 1))
     k_cent = _check("k_cent", k_cent, torch.float32, (2**k_bits,))
     v_cent = _check("v_cent", v_cent, torch.float32, (2**v_bits,))
-    return tuple(_ext().tq_attention(q_rot, off, k_codes, k_norm, k_cent, k_bits, v_codes, v_norm, v_cent, v_bits, float(scale)))
+    return tuple(_ext().tq_attention(q_rot, off, k_codes, k_norm, k_cent, k_bits, v_codes, v_norm, v_cent, v_bits, float(scale),
+                                     _checked_skip(skip, t)))
+
+
+def _skip(skip: torch.Tensor | None) -> torch.Tensor:
+    return _NONE_I64 if skip is None else skip
+
+
+def _checked_skip(skip: torch.Tensor | None, tokens: int) -> torch.Tensor:
+    """`skip` as the kernels take it: ascending distinct int64 offsets into the `tokens` of the call."""
+    if skip is None:
+        return _NONE_I64
+    skip = _check("skip", skip, torch.long, (None,))
+    if skip.numel() and (int(skip.min()) < 0 or int(skip.max()) >= tokens or not bool((skip[1:] > skip[:-1]).all())):
+        raise ValueError(f"skip must hold ascending, distinct token offsets in [0, {tokens}), got {skip.tolist()}")
+    return skip
 
 
 DENSE_DTYPES = (torch.int8, torch.float16, torch.float32)
 
 
-def dense_attention(q, k, k_scale, v, v_scale, scale: float, validate: bool = True):
+def dense_attention(q, k, k_scale, v, v_scale, scale: float, validate: bool = True, skip: torch.Tensor | None = None):
     """Online-softmax partial over dense K/V: int8 with per-token fp16 scales, or fp16/fp32 (scales None).
 
     q (B, H, R, d) f32 (any R); k (B, H, T, d), v (B, H, T, dv) of one dtype in DENSE_DTYPES (token-narrowed
     views allowed); k_scale, v_scale (B, H, T, 1) f16 or None. Returns m, l (B, H, R, 1), o (B, H, R, dv) f32.
-    `validate=False`: as in `tq_attention`.
+    `validate=False`, `skip`: as in `tq_attention`.
     """
     if not validate:
         none = torch.empty(0)
-        return tuple(_ext().dense_attention(q, k, none if k_scale is None else k_scale, v, none if v_scale is None else v_scale, float(scale)))
+        return tuple(_ext().dense_attention(q, k, none if k_scale is None else k_scale, v, none if v_scale is None else v_scale, float(scale),
+                                            _skip(skip)))
     q = _check("q", q, torch.float32, (None, None, None, None))
     b, h, _, d = q.shape
     if not isinstance(k, torch.Tensor) or k.dtype not in DENSE_DTYPES or v.dtype != k.dtype:
@@ -248,10 +265,11 @@ def dense_attention(q, k, k_scale, v, v_scale, scale: float, validate: bool = Tr
     v = _check_rows("v", v, v.dtype, (b, h, t, None))
     ks = torch.empty(0) if k_scale is None else _check_rows("k_scale", k_scale, torch.float16, (b, h, t, 1))
     vs = torch.empty(0) if v_scale is None else _check_rows("v_scale", v_scale, torch.float16, (b, h, t, 1))
-    return tuple(_ext().dense_attention(q, k, ks, v, vs, float(scale)))
+    return tuple(_ext().dense_attention(q, k, ks, v, vs, float(scale), _checked_skip(skip, t)))
 
 
 _NONE, _NONE_I8 = torch.empty(0), torch.empty(0, dtype=torch.int8)  # "no integer form" for the C++ call
+_NONE_I64 = torch.empty(0, dtype=torch.long)  # "skip no token"
 
 
 def int8_rebuild() -> bool:
@@ -284,7 +302,8 @@ def int8_basis(basis_t: torch.Tensor, mean: torch.Tensor, qmax: torch.Tensor) ->
             "mean8": mean8.float().contiguous()}
 
 
-def pca_vq_attention(q, pos0, keys: dict, k_codes, v_state: dict, v_idx, v_norm, scale: float, validate: bool = True):
+def pca_vq_attention(q, pos0, keys: dict, k_codes, v_state: dict, v_idx, v_norm, scale: float, validate: bool = True,
+                     skip: torch.Tensor | None = None):
     """Online-softmax partial over a Shard segment: PCA-coefficient keys (RoPE undone) and VQ values.
 
     q (B, kv, R <= 16, d) f32, the model's RoPE'd query grouped by kv head; pos0 (B,) i64, the RoPE
@@ -295,7 +314,7 @@ def pca_vq_attention(q, pos0, keys: dict, k_codes, v_state: dict, v_idx, v_norm,
     v_idx (B, kv, T, vbytes) u8; v_norm (B, kv, T, 1) f16 or None. Token-narrowed views allowed. `keys` gains
     "int8" (`int8_basis`, or None) on the first call, so the integer form is derived once per codec fit.
     Returns m, l (B, kv, R, 1) and o (B, kv, R, d) f32, o in VQ's rotated, channel-normalized space.
-    `validate=False`: as in `tq_attention`.
+    `validate=False`, `skip`: as in `tq_attention`.
     """
     if "int8" not in keys:  # derived once: a codec's kernel_state() is cached per fit, so this memoizes there
         keys["int8"] = int8_basis(keys["basis_t"], keys["mean"], keys["qmax"])
@@ -305,7 +324,7 @@ def pca_vq_attention(q, pos0, keys: dict, k_codes, v_state: dict, v_idx, v_norm,
         norm = torch.empty(0) if v_norm is None else v_norm
         return tuple(_ext().pca_vq_attention(q, pos0, keys["inv_freq"], float(keys["rope_scale"]), k_codes, keys["bitpos"], keys["bits"],
                                              keys["qmax"], keys["basis_t"], keys["mean"], v_idx, int(v_state["bits"]), norm,
-                                             v_state["books"], float(scale), *integer))
+                                             v_state["books"], float(scale), *integer, _skip(skip)))
     q = _check("q", q, torch.float32, (None, None, None, None))
     b, kv, r, d = q.shape
     if r > MAX_FUSED_ROWS:
@@ -328,6 +347,7 @@ def pca_vq_attention(q, pos0, keys: dict, k_codes, v_state: dict, v_idx, v_norm,
             float(keys["rope_scale"]), k_codes, _check("bitpos", keys["bitpos"], torch.int32, (rank,)),
             _check("bits", keys["bits"], torch.uint8, (rank,)), _check("qmax", keys["qmax"], torch.float32, (rank,)),
             basis_t, _check("mean", keys["mean"], torch.float32, (groups, gdim)), v_idx, int(vbits), norm, books, float(scale), *integer,
+            _checked_skip(skip, t),
         )
     )
 

@@ -27,11 +27,12 @@ def exact_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     return cpu_lut.dense_attention(q, k, None, v, None, scale, validate=VALIDATE)
 
 
-def segment_partial(q: torch.Tensor, seg, scale: float, first_position=None) -> Partial | None:
+def segment_partial(q: torch.Tensor, seg, scale: float, first_position=None, skip: torch.Tensor | None = None) -> Partial | None:
     """One segment's partial from its fused kernel, or None when its codec pair has none.
 
     `first_position()` gives the RoPE position `(b,)` of the segment's first token, for codecs that
-    store keys without RoPE (called only for them)."""
+    store keys without RoPE (called only for them). `skip (S,)` int64: ascending offsets of tokens to
+    leave out (the segment's anchors, held exact in another part), or None."""
     kc, vc = seg.key_codec, seg.value_codec
     kind = (kc.kernel_kind, vc.kernel_kind)
     if kind == ("tq", "tq"):
@@ -39,17 +40,18 @@ def segment_partial(q: torch.Tensor, seg, scale: float, first_position=None) -> 
         q_rot, offset = kc.kernel_query(q)
         m, denom, o = cpu_lut.tq_attention(
             q_rot, offset, keys.codes, keys.norm, kc.codebook.centroids, kc.mse_bits,
-            values.codes, values.norm, vc.codebook.centroids, vc.mse_bits, scale, validate=VALIDATE,
+            values.codes, values.norm, vc.codebook.centroids, vc.mse_bits, scale, validate=VALIDATE, skip=skip,
         )
         return m, denom, vc.kernel_output(o, denom)
     if kind == ("pca", "vq") and first_position is not None:
         m, denom, o = cpu_lut.pca_vq_attention(
-            q, first_position(), kc.kernel_state(), seg.keys.codes, vc.kernel_state(), seg.values.indices, seg.values.norm, scale, validate=VALIDATE
+            q, first_position(), kc.kernel_state(), seg.keys.codes, vc.kernel_state(), seg.values.indices, seg.values.norm, scale,
+            validate=VALIDATE, skip=skip,
         )
         return m, denom, vc.kernel_output(o)
     if kind == ("int8", "int8"):
         keys, values = seg.keys, seg.values
-        return cpu_lut.dense_attention(q, keys.codes, keys.scale, values.codes, values.scale, scale, validate=VALIDATE)
+        return cpu_lut.dense_attention(q, keys.codes, keys.scale, values.codes, values.scale, scale, validate=VALIDATE, skip=skip)
     return None
 
 

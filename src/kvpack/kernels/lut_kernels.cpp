@@ -403,6 +403,24 @@ inline void softmax_rows(float* s, int64_t ld, int R, int64_t n, float* m, float
   }
 }
 
+// Tokens a segment must not count in this call: offsets (ascending, shared by every batch row and head) of its
+// anchors, whose exact copies another part holds (kvpack/cache/anchors.py). Their scores in the split's rows
+// [t0, t0 + n) become -inf before the softmax, so they add nothing to m, l or o.
+struct Skip {
+  const int64_t* at = nullptr;
+  int64_t count = 0;
+  void apply(float* s, int64_t ld, int R, int64_t t0, int64_t n) const {
+    for (const int64_t* t = std::lower_bound(at, at + count, t0); t != at + count && *t < t0 + n; ++t)
+      for (int r = 0; r < R; ++r) s[r * ld + (*t - t0)] = -INFINITY;
+  }
+};
+
+Skip make_skip(const torch::Tensor& skip) {
+  if (!skip.numel()) return {};
+  TORCH_CHECK(skip.scalar_type() == at::kLong && skip.dim() == 1 && skip.is_contiguous(), "skip must be a contiguous 1-D int64 tensor");
+  return {skip.data_ptr<int64_t>(), skip.numel()};
+}
+
 int64_t split_count(int64_t T) { return std::max<int64_t>(1, (T + kSplit - 1) / kSplit); }
 
 std::vector<torch::Tensor> partial_outputs(const torch::Tensor& q, int64_t d) {
@@ -414,7 +432,7 @@ std::vector<torch::Tensor> partial_outputs(const torch::Tensor& q, int64_t d) {
 template <bool PAIR3, int W, int VBITS>
 void tq_attention_impl(const float* q, const float* row_off, const uint8_t* kc, int64_t k_bh, const at::Half* kn, int64_t kn_bh,
                        const float* kcent, const Layout& KL, const uint8_t* vc, int64_t v_bh, const at::Half* vn, int64_t vn_bh,
-                       const float* vcent, const Layout& VL, int64_t BH, int R, int64_t T, float scale, Partials& P) {
+                       const float* vcent, const Layout& VL, int64_t BH, int R, int64_t T, float scale, const Skip& skip, Partials& P) {
   const int64_t splits = P.splits;
   const int64_t unit_stride = static_cast<int64_t>(KL.entries) * W;
   std::vector<float> dec(static_cast<int64_t>(VL.entries) * VL.cpu);
@@ -440,6 +458,7 @@ void tq_attention_impl(const float* q, const float* row_off, const uint8_t* kc, 
         const float off = row_off ? row_off[bh * R + r] : 0.f;
         for (int64_t t = 0; t < n; ++t) s[r * n + t] = (s[r * n + t] + off) * scale;
       }
+      skip.apply(s.data(), n, R, t0, n);
       float* pm = P.m.data() + i * R;
       float* pl = P.l.data() + i * R;
       softmax_rows(s.data(), n, R, n, pm, pl);
@@ -452,10 +471,10 @@ void tq_attention_impl(const float* q, const float* row_off, const uint8_t* kc, 
 template <bool PAIR3, int W>
 void tq_attention_vbits(int vbits, const float* q, const float* row_off, const uint8_t* kc, int64_t k_bh, const at::Half* kn, int64_t kn_bh,
                         const float* kcent, const Layout& KL, const uint8_t* vc, int64_t v_bh, const at::Half* vn, int64_t vn_bh,
-                        const float* vcent, const Layout& VL, int64_t BH, int R, int64_t T, float scale, Partials& P) {
+                        const float* vcent, const Layout& VL, int64_t BH, int R, int64_t T, float scale, const Skip& skip, Partials& P) {
   auto run = vbits == 1 ? tq_attention_impl<PAIR3, W, 1> : vbits == 2 ? tq_attention_impl<PAIR3, W, 2>
            : vbits == 3 ? tq_attention_impl<PAIR3, W, 3> : tq_attention_impl<PAIR3, W, 4>;
-  run(q, row_off, kc, k_bh, kn, kn_bh, kcent, KL, vc, v_bh, vn, vn_bh, vcent, VL, BH, R, T, scale, P);
+  run(q, row_off, kc, k_bh, kn, kn_bh, kcent, KL, vc, v_bh, vn, vn_bh, vcent, VL, BH, R, T, scale, skip, P);
 }
 
 // Dense rows (int8 with a per-token scale, fp16 or fp32 without) widened to float in L1, 4 tokens at a time.
@@ -472,7 +491,8 @@ inline void widen_row(const at::Half* src, float* dst, int n) {
 
 template <typename KT, typename VT>
 void dense_attention_impl(const float* q, const KT* k, int64_t k_bh, const at::Half* ks, int64_t ks_bh, const VT* v, int64_t v_bh,
-                          const at::Half* vs, int64_t vs_bh, int64_t BH, int R, int64_t T, int d, int dv, float scale, Partials& P) {
+                          const at::Half* vs, int64_t vs_bh, int64_t BH, int R, int64_t T, int d, int dv, float scale, const Skip& skip,
+                          Partials& P) {
   const int64_t splits = P.splits;
   at::parallel_for(0, BH * splits, 1, [&](int64_t lo, int64_t hi) {
     std::vector<float> s(static_cast<int64_t>(R) * kSplit);
@@ -491,6 +511,7 @@ void dense_attention_impl(const float* q, const KT* k, int64_t k_bh, const at::H
           for (int j = 0; j < c; ++j) s[r * n + t + j] = dots[j] * scale * (ks ? static_cast<float>(ks[bh * ks_bh + t0 + t + j]) : 1.f);
         }
       }
+      skip.apply(s.data(), n, R, t0, n);
       float* pm = P.m.data() + i * R;
       float* pl = P.l.data() + i * R;
       softmax_rows(s.data(), n, R, n, pm, pl);
@@ -883,7 +904,7 @@ void vq_accumulate_g4(const float* p, int R, int64_t n, const uint8_t* idx, int 
 #endif
 
 void pca_vq_attention_impl(const float* q, const PCAKeys& K, const VQValues& V, const int64_t* pos0, const double* inv_freq,
-                           float rope_scale, int64_t B, int kv, int R, int d, int64_t T, float scale, Partials& P) {
+                           float rope_scale, int64_t B, int kv, int R, int d, int64_t T, float scale, const Skip& skip, Partials& P) {
   const int per = kv / K.groups;
   const int64_t splits = P.splits;
   const int half = d / 2;
@@ -908,6 +929,7 @@ void pca_vq_attention_impl(const float* q, const PCAKeys& K, const VQValues& V, 
       for (int hh = 0; hh < per; ++hh) {
         const int64_t h = g * per + hh, bh = b * kv + h, item = bh * splits + sp;
         float* srow = s.data() + static_cast<int64_t>(hh) * R * n;
+        skip.apply(srow, n, R, t0, n);
         softmax_rows(srow, n, R, n, P.m.data() + item * R, P.l.data() + item * R);
         const at::Half* nrm = V.norm ? V.norm + bh * V.norm_stride + t0 : nullptr;
         const float* book = V.books + (V.book_count == 1 ? 0 : h) * static_cast<int64_t>(V.entries) * V.gsize;
@@ -976,7 +998,7 @@ int64_t head_stride(const torch::Tensor& t, const char* name) {
 
 std::vector<torch::Tensor> tq_attention(torch::Tensor q, torch::Tensor row_offset, torch::Tensor k_codes, torch::Tensor k_norm,
                                         torch::Tensor k_cent, int64_t k_bits, torch::Tensor v_codes, torch::Tensor v_norm,
-                                        torch::Tensor v_cent, int64_t v_bits, double scale) {
+                                        torch::Tensor v_cent, int64_t v_bits, double scale, torch::Tensor skip) {
   q = q.contiguous();
   if (row_offset.numel()) row_offset = row_offset.contiguous();
   const int64_t B = q.size(0), H = q.size(1), R = q.size(2), d = q.size(3), T = k_codes.size(2);
@@ -988,10 +1010,11 @@ std::vector<torch::Tensor> tq_attention(torch::Tensor q, torch::Tensor row_offse
   if (T > 0) {
     const float* off = row_offset.numel() ? row_offset.data_ptr<float>() : nullptr;
     const int kb = static_cast<int>(k_bits), vb = static_cast<int>(v_bits);
+    const Skip sk = make_skip(skip);
 #define KVP_TQ(PAIR3, W) tq_attention_vbits<PAIR3, W>(vb, q.data_ptr<float>(), off, k_codes.data_ptr<uint8_t>(), head_stride(k_codes, "k_codes"), \
       k_norm.data_ptr<at::Half>(), head_stride(k_norm, "k_norm"), k_cent.data_ptr<float>(), KL, v_codes.data_ptr<uint8_t>(), \
       head_stride(v_codes, "v_codes"), v_norm.data_ptr<at::Half>(), head_stride(v_norm, "v_norm"), v_cent.data_ptr<float>(), VL, B * H, \
-      static_cast<int>(R), T, static_cast<float>(scale), P)
+      static_cast<int>(R), T, static_cast<float>(scale), sk, P)
     if (kb == 3) {
       if (R == 1) KVP_TQ(true, 1); else if (R <= 4) KVP_TQ(true, 4); else if (R <= 8) KVP_TQ(true, 8); else KVP_TQ(true, 16);
     } else {
@@ -1005,26 +1028,27 @@ std::vector<torch::Tensor> tq_attention(torch::Tensor q, torch::Tensor row_offse
 
 template <typename KT, typename VT>
 void dense_dispatch(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& ks, const torch::Tensor& v, const torch::Tensor& vs,
-                    double scale, Partials& P) {
+                    double scale, const Skip& skip, Partials& P) {
   const int64_t B = q.size(0), H = q.size(1), R = q.size(2), d = q.size(3), T = k.size(2), dv = v.size(3);
   dense_attention_impl<KT, VT>(q.data_ptr<float>(), k.data_ptr<KT>(), head_stride(k, "k"), ks.numel() ? ks.data_ptr<at::Half>() : nullptr,
                                ks.numel() ? head_stride(ks, "k_scale") : 0, v.data_ptr<VT>(), head_stride(v, "v"),
                                vs.numel() ? vs.data_ptr<at::Half>() : nullptr, vs.numel() ? head_stride(vs, "v_scale") : 0, B * H,
-                               static_cast<int>(R), T, static_cast<int>(d), static_cast<int>(dv), static_cast<float>(scale), P);
+                               static_cast<int>(R), T, static_cast<int>(d), static_cast<int>(dv), static_cast<float>(scale), skip, P);
 }
 
 std::vector<torch::Tensor> dense_attention(torch::Tensor q, torch::Tensor k, torch::Tensor k_scale, torch::Tensor v, torch::Tensor v_scale,
-                                           double scale) {
+                                           double scale, torch::Tensor skip) {
   q = q.contiguous();
   const int64_t B = q.size(0), H = q.size(1), R = q.size(2), T = k.size(2), dv = v.size(3);
+  const Skip sk = make_skip(skip);
   TORCH_CHECK(k.scalar_type() == v.scalar_type(), "k and v must share a dtype");
   auto out = partial_outputs(q, dv);
   Partials P(B * H, R, dv, split_count(T));
   if (T > 0) {
     switch (k.scalar_type()) {
-      case at::kChar: dense_dispatch<int8_t, int8_t>(q, k, k_scale, v, v_scale, scale, P); break;
-      case at::kHalf: dense_dispatch<at::Half, at::Half>(q, k, k_scale, v, v_scale, scale, P); break;
-      case at::kFloat: dense_dispatch<float, float>(q, k, k_scale, v, v_scale, scale, P); break;
+      case at::kChar: dense_dispatch<int8_t, int8_t>(q, k, k_scale, v, v_scale, scale, sk, P); break;
+      case at::kHalf: dense_dispatch<at::Half, at::Half>(q, k, k_scale, v, v_scale, scale, sk, P); break;
+      case at::kFloat: dense_dispatch<float, float>(q, k, k_scale, v, v_scale, scale, sk, P); break;
       default: TORCH_CHECK(false, "dense_attention takes int8, float16 or float32 K/V, got ", k.scalar_type());
     }
   }
@@ -1041,7 +1065,7 @@ std::vector<torch::Tensor> pca_vq_attention(torch::Tensor q, torch::Tensor pos0,
                                             torch::Tensor codes, torch::Tensor bitpos, torch::Tensor bits, torch::Tensor qmax,
                                             torch::Tensor basis_t, torch::Tensor mean, torch::Tensor idx, int64_t vbits,
                                             torch::Tensor norm, torch::Tensor books, double scale, torch::Tensor w8,
-                                            torch::Tensor col_scale, torch::Tensor mean8) {
+                                            torch::Tensor col_scale, torch::Tensor mean8, torch::Tensor skip) {
   q = q.contiguous();
   pos0 = pos0.contiguous();
   const int64_t B = q.size(0), kv = q.size(1), R = q.size(2), d = q.size(3), T = codes.size(2);
@@ -1067,7 +1091,7 @@ std::vector<torch::Tensor> pca_vq_attention(torch::Tensor q, torch::Tensor pos0,
     std::vector<double> freq(d / 2);
     for (int64_t j = 0; j < d / 2; ++j) freq[j] = inv_freq.data_ptr<float>()[j];
     pca_vq_attention_impl(q.data_ptr<float>(), K, V, pos0.data_ptr<int64_t>(), freq.data(), static_cast<float>(rope_scale), B,
-                          static_cast<int>(kv), static_cast<int>(R), static_cast<int>(d), T, static_cast<float>(scale), P);
+                          static_cast<int>(kv), static_cast<int>(R), static_cast<int>(d), T, static_cast<float>(scale), make_skip(skip), P);
   }
   P.merge(out[0].data_ptr<float>(), out[1].data_ptr<float>(), out[2].data_ptr<float>());
   return out;

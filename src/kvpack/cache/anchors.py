@@ -1,0 +1,106 @@
+"""Anchors: the few prompt tokens the model attends to most, kept exact beside their codes.
+
+Besides the first tokens (the sinks), a few tokens in the middle of a prompt draw much of the
+attention, and an unlucky code on one of them is most of what one rotation draw loses and another
+does not (docs/decisions.md). At the prompt's flush the layer ranks its compressed tokens by the
+attention its last queries paid them (`primitives.attention_mass`) and keeps the top
+`MethodConfig.anchors` fraction in the exact dtype.
+
+Their codes stay in the segment, so the segment's run, crop and save are unchanged. Attention reads
+the exact anchors as one more part, and the segment's part leaves their codes out: the CPU kernels
+and the torch paths mask those tokens' scores (`skip`). The device ops cannot mask, so there the
+anchors' own codes (gathered once, a few bytes each) give a partial with a negative sign, which
+cancels what the segment's kernel counted for them; it comes from the same kernel over the same
+codes, so the cancellation holds to float32 rounding for any per-token codec.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..codecs.base import Codec, Packed, gather_packed
+
+KIND = "anchors"  # the exact anchors' part in a decode step's partials (the tracker counts it as exact)
+
+
+@dataclasses.dataclass(frozen=True)
+class Anchors:
+    """Exact copies of some compressed tokens of one segment, and those tokens' codes.
+
+    index: `(h,)` long, logical token indices, ascending. k, v: `(batch, kv_heads, h, d)` in the layer's exact
+    dtype. keys, values: the tokens' codes, gathered from the segment (`h` tokens), read by the segment's
+    codecs `key_codec` / `value_codec`. source_kind: that segment's kind (the tracker books the cancelling
+    partial there).
+    """
+
+    index: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    key_codec: Codec
+    value_codec: Codec
+    keys: Packed
+    values: Packed
+    source_kind: str
+
+    @classmethod
+    def gather(cls, seg, index: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Anchors:
+        """Anchors at logical `index (h,)` inside segment `seg`, with their exact rows `k`, `v` `(b, kv, h, d)`."""
+        offset = index - seg.start
+        if offset.numel() and (int(offset.min()) < 0 or int(offset.max()) >= seg.length):
+            raise ValueError(f"anchors {index.tolist()} lie outside the segment of tokens [{seg.start}, {seg.start + seg.length})")
+        return cls(index, k, v, seg.key_codec, seg.value_codec, gather_packed(seg.keys, offset), gather_packed(seg.values, offset), seg.kind)
+
+    @property
+    def count(self) -> int:
+        return int(self.index.numel())
+
+    def skip_in(self, seg) -> torch.Tensor | None:
+        """Offsets `(h,)` int64 of the anchors inside segment `seg` (the one that holds them), or None for another segment."""
+        bounds = self.__dict__.get("_bounds")
+        if bounds is None:  # python ints, once: a decode step asks every segment of every layer
+            bounds = (int(self.index[0]), int(self.index[-1]))
+            object.__setattr__(self, "_bounds", bounds)
+        if not seg.start <= bounds[0] or bounds[1] >= seg.start + seg.length:
+            return None
+        memo = self.__dict__.get("_skip")
+        if memo is None or memo[0] != seg.start:
+            memo = (seg.start, (self.index - seg.start).contiguous())
+            object.__setattr__(self, "_skip", memo)
+        return memo[1]
+
+    def keep(self, mask: torch.Tensor) -> Anchors | None:
+        """The anchors where `mask (h,)` bool is True, or None if none is left (a new object: rollback snapshots hold this one)."""
+        if bool(mask.all()):
+            return self
+        if not bool(mask.any()):
+            return None
+        rows = mask.nonzero().flatten()
+        return dataclasses.replace(
+            self, index=self.index[rows], k=self.k.index_select(2, rows.to(self.k.device)), v=self.v.index_select(2, rows.to(self.v.device)),
+            keys=gather_packed(self.keys, rows), values=gather_packed(self.values, rows),
+        )
+
+    def truncate(self, keep: int) -> Anchors | None:
+        """Those among the first `keep` logical tokens (crop)."""
+        return self.keep(self.index < keep)
+
+    def without(self, start: int, stop: int) -> Anchors | None:
+        """All but those in tokens [start, stop) (their codes were evicted)."""
+        return self.keep((self.index < start) | (self.index >= stop))
+
+    def map(self, fn) -> Anchors:
+        """`fn` on every batch-leading tensor (batch reorder/select, device moves); the indices are shared by all rows."""
+        return dataclasses.replace(self, k=fn(self.k), v=fn(self.v), keys=self.keys.map_tensors(fn), values=self.values.map_tensors(fn))
+
+    def nbytes(self) -> int:
+        """Bytes held: exact rows, gathered codes and the index."""
+        tensors = (self.index, self.k, self.v)
+        return sum(t.numel() * t.element_size() for t in tensors) + self.keys.nbytes() + self.values.nbytes()
+
+    def overwrite(self, full: torch.Tensor, side: str) -> torch.Tensor:
+        """`full (b, kv, length, d)`, a layer's decoded keys or values, with the anchors' exact rows written in (in place)."""
+        exact = self.k if side == "key" else self.v
+        full[:, :, self.index.to(full.device)] = exact.to(full.dtype)
+        return full
