@@ -41,11 +41,16 @@ def table(path: Path) -> str:
 def summary_table(path: Path) -> str:
     """One row per method that ran: bytes, ratio, perplexity delta, needles (merged rows marked `*`). Decode speed
     is left to the interleaved decode benchmark ({{decode_speed}}): a compare run's few steps are not a speed result."""
+    from kvpack.registry import DEFAULT_METHOD
+
     lines = ["| method | bytes/token | x fp16 | ppl delta | needles |", "|---|---:|---:|---:|---:|"]
-    for row in json.loads(path.read_text())["rows"]:
+    rows = json.loads(path.read_text())["rows"]
+    rows.sort(key=lambda r: (r["method"] != "dynamic", r["method"] != DEFAULT_METHOD))  # stable: then the run's order
+    for row in rows:
         if row.get("status") != "ok":
             continue
         name = "dynamic (uncompressed)" if row["method"] == "dynamic" else f"`{row['method']}`"
+        name += " (default)" if row["method"] == DEFAULT_METHOD else ""
         needles = f"{row['needle_found']}/{row['needle_total']}" if row.get("needle_total") else "-"
         lines.append(
             f"| {name}{' *' if row.get('merged_from') else ''} | {row['bytes_per_token']:,.0f} | {row['ratio_vs_fp16']:.2f}x | "

@@ -194,14 +194,17 @@ def test_batch_select_keeps_each_rows_anchors():
                                atol=2e-4, rtol=1e-3)
 
 
-def test_method_names_take_anchors():
+def test_method_names_take_anchors_window_and_seed_suffixes():
     m = get_method("turboquant:k3v2@anchors=0.5%")
-    assert m.anchors == 0.005 and m.name == "turboquant:k3v2@anchors=0.5%"
+    assert m.anchors == 0.005 and m.name == "turboquant:k3v2@anchors=0.5%" and m.window == 64
+    w = get_method("turboquant:k3v2@seed=1@window=32@anchors=0.5%")  # any order in, one order out
+    assert (w.window, w.anchors, w.key.options["seed"]) == (32, 0.005, 1) and w.name == "turboquant:k3v2@anchors=0.5%@window=32@seed=1"
+    assert get_method(w.name) == w
     assert get_method("turboquant:k3v2@anchors=0.005").anchors == 0.005
     both = get_method("turboquant:k3v2@anchors=1%@seed=2")
     assert both == get_method("turboquant:k3v2@seed=2@anchors=1%") and both.anchors == 0.01 and both.key.options["seed"] == 2
-    for bad in ("turboquant:k3v2@anchors=30%", "turboquant:k3v2@anchors=x", "turboquant:k3v2@anchors=1%@anchors=2%", "int8@foo=1"):
-        with pytest.raises(ValueError, match="anchors|suffixes"):
+    for bad in ("turboquant:k3v2@anchors=30%", "turboquant:k3v2@anchors=x", "turboquant:k3v2@anchors=1%@anchors=2%", "int8@foo=1", "int8@window=x"):
+        with pytest.raises(ValueError, match="anchors|suffixes|integer"):
             get_method(bad)
     with pytest.raises(ValueError, match="cannot be combined with tiers"):
         get_method("tiered:512@anchors=1%")

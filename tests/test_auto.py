@@ -324,7 +324,11 @@ def test_cli_calibrate_writes_the_profile_auto_reads(profiles, capsys):
     assert main(["calibrate", "--model", "tiny-random", "--prefix", "128", "--tokens", "8", "--quiet"]) == 0
     out = capsys.readouterr().out
     assert "auto:1%" in out and len(list(profiles.glob("*.json"))) == 1
-    assert kvpack.KVCache(tiny_random_model(seed=0)[0], "auto:4%").method.name == "auto:4%"
+    model = tiny_random_model(seed=0)[0]
+    plain = kvpack.KVCache(model, "auto:4%").method
+    assert plain.name == "auto:4%"
+    anchored = kvpack.KVCache(model, "auto:4%@anchors=1%").method  # the profile's widths, with anchors
+    assert anchored.name == "auto:4%@anchors=1%" and anchored.anchors == 0.01 and anchored.layer_codecs == plain.layer_codecs
 
 
 def test_profile_summary_ranks_the_layers_that_carry_the_loss(tmp_path):

@@ -436,7 +436,8 @@ def cmd_methods(_args) -> int:
     from .peers import PEERS
     from .registry import DEFAULT_METHOD, list_methods
 
-    print("kvpack methods: " + ", ".join(m + (" (default)" if m == DEFAULT_METHOD else "") for m in list_methods()))
+    print("kvpack methods: " + ", ".join(list_methods()))
+    print(f"default:        {DEFAULT_METHOD} (kvpack.DEFAULT_METHOD); any name takes @anchors=P%, @window=N and @seed=N")
     print("                auto:<target>, e.g. auto:1%: per-layer TurboQuant bits for a perplexity target, from the model's "
           "calibration profile (make it once: kvpack calibrate --model NAME)")
     print("peers:          " + ", ".join(PEERS))

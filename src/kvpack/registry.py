@@ -252,17 +252,24 @@ class MethodConfig:
         return replace(self, name=f"{self.name}{SEED_SUFFIX}{seed}", key=_seeded(self.key, seed), value=_seeded(self.value, seed),
                        prefill_key=_seeded(self.prefill_key, seed), prefill_value=_seeded(self.prefill_value, seed), tiers=tiers, layer_codecs=layers)
 
+    def with_window(self, tokens: int) -> MethodConfig:
+        """This method with an exact recent window of `tokens` (the prompt leaves that many; later tokens leave in
+        blocks of `block_size`), named `name@window=N`."""
+        changed = replace(self, window=tokens)  # validates
+        return replace(changed, name=f"{self.name}{WINDOW_SUFFIX}{tokens}")
 
     def with_anchors(self, fraction: float) -> MethodConfig:
         """This method with `fraction` of the prompt's compressed tokens also kept exact (the most attended ones),
-        named `name@anchors=P%`. Half a percent (about ten tokens of 2K) cut the default's perplexity loss by 45%
-        on SmolLM2 and Gemma-3 for 2.3% more bytes (docs/decisions.md)."""
+        named `name@anchors=P%`. Half a percent (about ten tokens of 2K) cut turboquant:k3v2's perplexity loss by
+        40-45% on SmolLM2 and Gemma-3 at 2K for 2.8% more bytes (docs/decisions.md)."""
         changed = replace(self, anchors=fraction)  # validates
         return replace(changed, name=f"{self.name}{ANCHORS_SUFFIX}{_percent(fraction)}")
 
 
 SEED_SUFFIX = "@seed="  # `turboquant:k3v2@seed=1`: the method's codecs drawn from another seed (`MethodConfig.with_seed`)
 ANCHORS_SUFFIX = "@anchors="  # `turboquant:k3v2@anchors=0.5%`: the prompt's most-attended tokens kept exact (`with_anchors`)
+WINDOW_SUFFIX = "@window="  # `turboquant:k3v2@window=32`: the exact recent window's size in tokens (`with_window`)
+SUFFIXES = ("anchors", "window", "seed")  # the order a name carries them in
 MAX_ANCHORS = 0.25
 
 
@@ -282,25 +289,28 @@ def _parse_fraction(text: str, method: str) -> float:
 
 
 def split_suffixes(method: str) -> tuple[str, dict[str, Any]]:
-    """`"name[:args]@seed=N@anchors=P%"` (suffixes in any order, each at most once) -> (`"name[:args]"`, {"seed": N, "anchors": f})."""
+    """`"name[:args]@anchors=P%@window=N@seed=S"` (suffixes in any order, each at most once) -> (`"name[:args]"`,
+    {"anchors": f, "window": N, "seed": S})."""
     base, *parts = method.split("@")
     found: dict[str, Any] = {}
     for part in parts:
         key, sep, value = part.partition("=")
-        if not sep or key not in ("seed", "anchors") or key in found:
-            raise ValueError(f"{method!r}: a method name takes the suffixes '{SEED_SUFFIX}N' and '{ANCHORS_SUFFIX}P%', each at most once, got '@{part}'")
-        if key == "seed" and not value.isdigit():
-            raise ValueError(f"{method!r}: '{SEED_SUFFIX}' takes a non-negative integer, e.g. '{DEFAULT_METHOD}{SEED_SUFFIX}1'")
-        found[key] = int(value) if key == "seed" else _parse_fraction(value, method)
+        if not sep or key not in SUFFIXES or key in found:
+            raise ValueError(
+                f"{method!r}: a method name takes the suffixes '{ANCHORS_SUFFIX}P%', '{WINDOW_SUFFIX}N' and '{SEED_SUFFIX}N', "
+                f"each at most once, got '@{part}'"
+            )
+        if key in ("seed", "window") and not value.isdigit():
+            raise ValueError(f"{method!r}: '@{key}=' takes a non-negative integer, e.g. 'turboquant:k3v2@{key}=1'")
+        found[key] = _parse_fraction(value, method) if key == "anchors" else int(value)
     return base, found
 
 
 def apply_suffixes(config: MethodConfig, suffixes: dict[str, Any]) -> MethodConfig:
-    """`config` with the options `split_suffixes` read (anchors first, so the name reads `name@anchors=P%@seed=N`)."""
-    if "anchors" in suffixes:
-        config = config.with_anchors(suffixes["anchors"])
-    if "seed" in suffixes:
-        config = config.with_seed(suffixes["seed"])
+    """`config` with the options `split_suffixes` read, named in `SUFFIXES` order (`name@anchors=P%@window=N@seed=S`)."""
+    for key in SUFFIXES:
+        if key in suffixes:
+            config = getattr(config, f"with_{key}")(suffixes[key])  # with_anchors, with_window, with_seed
     return config
 
 
@@ -457,7 +467,11 @@ def _auto(arg: str) -> MethodConfig:
 # Registered by hand, not with `@method`: list_methods() is the test matrix, and it has no calibration profile.
 METHODS["auto"] = _auto
 
-DEFAULT_METHOD = "turboquant:k3v2"
+# The default: TurboQuant 3-bit keys and 2-bit values, the prompt's 0.5% most-attended tokens kept exact (anchors), and a
+# 32-token exact window. Over five rotation draws at 2K it loses +2.1% (SmolLM2) and +1.5% (Gemma-3) perplexity at
+# 5.14x, where turboquant:k3v2 (window 64, no anchors) loses +2.7% and +2.9% at 4.96x; at 8K on SmolLM2 +0.7% at 5.49x
+# against +2.3% (docs/decisions.md, "Choosing the default").
+DEFAULT_METHOD = "turboquant:k3v2@anchors=0.5%@window=32"
 
 
 def get_method(method: str | MethodConfig) -> MethodConfig:

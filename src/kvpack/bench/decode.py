@@ -48,29 +48,31 @@ def prefill_dynamic(model, ids: torch.Tensor, chunk: int = 2048):
     return cache, logits
 
 
-def fits_on_queries(method: str) -> bool:
-    """Whether a prompt codec of `method` fits on the prompt's queries (Shard's PCA rank), which only a real
-    forward under `kvpack.enable` shows it."""
+def needs_queries(method: str) -> bool:
+    """Whether `method` reads the prompt's queries (a prompt codec's fit, e.g. Shard's PCA rank, or its anchors),
+    which only a real forward under `kvpack.enable` shows it."""
     from ..registry import get_method
 
-    spec = get_method(method).prefill_key
-    return spec is not None and spec.codec_class.fits_on_queries
+    config = get_method(method)
+    spec = config.prefill_key
+    return config.anchors > 0 or (spec is not None and spec.codec_class.fits_on_queries)
 
 
 @torch.no_grad()
 def fill_kvpack(model, method: str, source, ids: torch.Tensor | None = None) -> tuple[object, float]:
     """A kvpack cache holding `source`'s K/V (a filled DynamicCache), compressed; and the seconds it took.
 
-    With `ids` (the prompt) and a method whose prompt codecs fit on queries, the cache is filled by one real
-    forward of the model over `ids` under kvpack attention instead, so the fit sees the queries a user's
-    prefill gives it (else Shard would fall back to its energy rank); the seconds then include that forward.
+    With `ids` (the prompt) and a method that reads the prompt's queries (`needs_queries`), the cache is filled
+    by one real forward of the model over `ids` under kvpack attention instead, so it sees the queries a user's
+    prefill gives it (else Shard would fall back to its energy rank and anchors would not exist); the seconds
+    then include that forward.
     """
     from ..cache.kvcache import KVCache
     from ..cache.layer import KVPackLayer
 
     cache = KVCache(model, method)
     start = time.perf_counter()
-    if ids is not None and fits_on_queries(method):
+    if ids is not None and needs_queries(method):
         forward(model, ids, cache)
         return cache, time.perf_counter() - start
     for idx, (layer, src) in enumerate(zip(cache.layers, source.layers, strict=True)):
@@ -122,7 +124,7 @@ def run_context(model, ids: torch.Tensor, methods: list[str], steps: int, warmup
         rows.append({
             "method": m, "context": len(ids), "steps": steps, "mean_ms": 1e3 * mean, "p50_ms": 1e3 * _percentile(ts, 0.5),
             "p99_ms": 1e3 * _percentile(ts, 0.99), "tok_s": 1.0 / mean, "speed_vs_first": base / mean,
-            "fill_s": fills[m], "fill_includes_forward": m != "dynamic" and fits_on_queries(m), "step_ms": [round(1e3 * t, 3) for t in ts],
+            "fill_s": fills[m], "fill_includes_forward": m != "dynamic" and needs_queries(m), "step_ms": [round(1e3 * t, 3) for t in ts],
         })
         log(f"  {m:22s} mean {1e3 * mean:7.1f} ms  p50 {rows[-1]['p50_ms']:7.1f}  p99 {rows[-1]['p99_ms']:7.1f}  x{base / mean:.2f} vs {methods[0]}")
     return rows
