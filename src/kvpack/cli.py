@@ -358,7 +358,10 @@ def cmd_demo(args) -> int:
     print(f"kvpack demo: {cfg.model}, {row['tokens']} tokens of real news text in the cache, method {method}")
     print(f"  memory:     {base['total_bytes'] / 2**20:.1f} MiB uncompressed ({cfg.dtype}) -> {row['total_bytes'] / 2**20:.1f} MiB "
           f"({row['ratio_vs_fp16']:.2f}x smaller than fp16, {base['total_bytes'] / row['total_bytes']:.2f}x smaller than the {cfg.dtype} cache)")
-    print(f"  perplexity: {base['ppl']:.3f} -> {row['ppl']:.3f} ({row['ppl_delta_pct']:+.2f}%) over {row['ppl_tokens']} tokens that read the compressed cache")
+    ci = row.get("ppl_delta_ci")  # paired bootstrap over the scored tokens: how far 512 tokens pin the delta down
+    interval = f", 95% interval {ci[0]:+.1f}% to {ci[1]:+.1f}%" if ci else ""
+    print(f"  perplexity: {base['ppl']:.3f} -> {row['ppl']:.3f} ({row['ppl_delta_pct']:+.2f}%{interval}) over {row['ppl_tokens']} tokens "
+          "that read the compressed cache")
     print(f"  needle:     {row['needle_found']}/{row['needle_total']} found (uncompressed {base['needle_found']}/{base['needle_total']})")
     print(f"  decode:     {row['decode_tok_s']:.1f} tok/s vs {base['decode_tok_s']:.1f} tok/s uncompressed ({row['decode_ratio']:.2f}x)")
     print(f"  attention:  worst layer cosine {row['cosine_min']:.4f} vs uncompressed")
