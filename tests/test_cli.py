@@ -169,6 +169,9 @@ def _bad_inputs(tmp_path):
         (["compare", *tiny, "--methods", "hf-zip:4"], r"unknown peer 'hf-zip:4'; peers: dynamic"),
         (["eval", *tiny, "--method", "kivi:3"], r"kivi takes 2 or 4 bits"),
         (["eval", *tiny, "--method", "int8:foo"], r"'int8' takes no options"),
+        (["eval", *tiny, "--method", "shard@bad=1"], r"'shard@bad=1': a method name takes the suffixes '@anchors=P%', '@window=N' and '@seed=N'"),
+        (["eval", *tiny, "--method", "int8@seed=1"], r"method 'int8' draws nothing at random"),
+        (["eval", *tiny, "--method", "auto:1%@anchors=50%"], r"'@anchors=' takes a fraction of the prompt's tokens from 0 to 25%"),
         (["eval", *tiny, "--threads", "-1"], r"--threads must be >= 0, got -1"),
         (["eval", *tiny, "--context", "0"], r"--context must be >= 16, got 0"),
         (["eval", *tiny, "--ppl-tokens", "-5"], r"--ppl-tokens must be >= 1, got -5"),
@@ -189,6 +192,11 @@ def _bad_inputs(tmp_path):
         (["compare", *tiny, "--methods", "int8", "--json", str(tmp_path)], r"--json .*: is a directory; give a file path"),
         (["eval", *tiny, "--json", str(a_file / "rows.json")], r"--json .*: .*file.txt is a file, not a directory"),
     ]
+
+
+def test_method_suffixes_pass_the_name_check():
+    for name in ("shard@anchors=0.5%", "turboquant:k3v2@window=32@seed=1", "auto:1%@anchors=0.5%", "int8@anchors=1%"):
+        cli.check_method(name)  # raises on a name compare or eval would refuse
 
 
 def test_bad_arguments_exit_2_with_one_line_before_the_model_loads(tmp_path, capsys, monkeypatch):

@@ -173,20 +173,22 @@ def _numbers(flag: str, value, cast) -> list:
 def check_method(name: str) -> None:
     """ValueError naming the problem (and the valid names) unless `name` is a kvpack method or a peer."""
     from .peers import PEERS, is_peer
-    from .registry import METHODS, get_method, list_methods
+    from .registry import METHODS, get_method, list_methods, split_suffixes
 
     if is_peer(name):
         if name not in PEERS:
             raise ValueError(f"unknown peer {name!r}; peers: {', '.join(PEERS)}")
         return
-    if name.partition(":")[0] == "auto":  # its profile is checked once the model is loaded (it is per model)
+    base, _ = split_suffixes(name)  # `@anchors=`, `@window=`, `@seed=`: raises for a malformed one
+    family, _, arg = base.partition(":")
+    if family == "auto":  # its profile is checked once the model is loaded (it is per model)
         from .auto import parse_target
 
-        parse_target(name.partition(":")[2])
+        parse_target(arg)
         return
-    if name.partition(":")[0] not in METHODS:
+    if family not in METHODS:
         raise ValueError(f"unknown method {name!r}; kvpack methods: {', '.join(list_methods())}; peers: {', '.join(PEERS)}")
-    get_method(name)  # raises for bad options, e.g. kivi:3
+    get_method(name)  # raises for bad options, e.g. kivi:3 or int8@seed=1
 
 
 def _check_writable(flag: str, path: str, suffixes: tuple[str, ...] | None = None) -> None:
