@@ -61,7 +61,12 @@ def _reference(layer: KVPackLayer, k0: torch.Tensor, v0: torch.Tensor, q: torch.
     return torch.softmax(q @ k.mT * scaling, -1) @ v
 
 
-def test_received_attention_equals_explicit_softmax():
+@pytest.mark.parametrize("block", [None, 2 * 3 * 12 * 2])  # the whole score block at once, or two query rows at a time
+def test_received_attention_equals_explicit_softmax(monkeypatch, block):
+    from kvpack.primitives import attention_mass
+
+    if block is not None:
+        monkeypatch.setattr(attention_mass, "BLOCK_ELEMENTS", block)
     torch.manual_seed(0)
     b, hq, hk, m, t, d = 2, 6, 2, 5, 12, 8
     q, k = torch.randn(b, hq, m, d), torch.randn(b, hk, t, d)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+BLOCK_ELEMENTS = 1 << 23  # float32 scores per block, 32 MiB: 128 queries of a 3-head group fit whole up to ~21K keys
+
 
 def received_attention(queries: torch.Tensor, keys: torch.Tensor, scaling: float, first_valid: torch.Tensor | None = None) -> torch.Tensor:
     """Σ over query heads and rows of the causal softmax attention each key receives -> `(batch, tokens)` float32.
@@ -28,11 +30,14 @@ def received_attention(queries: torch.Tensor, keys: torch.Tensor, scaling: float
         hidden = hidden | (key_idx.view(1, 1, t) < first_valid.to(keys.device).view(b, 1, 1))  # (b, m, t)
     mass = torch.zeros(b, t, dtype=torch.float32, device=keys.device)
     group = hq // hk
-    for h in range(hk):  # one kv head at a time bounds the score block at (b, group, m, t)
-        q = queries[:, h * group : (h + 1) * group].float()
-        s = (q @ keys[:, h : h + 1].float().transpose(-1, -2)) * scaling  # (b, group, m, t)
-        p = torch.softmax(s.masked_fill(hidden.unsqueeze(1), float("-inf")), dim=-1)
-        mass += p.nan_to_num(0.0).sum(dim=(1, 2))  # a row with no visible key (all padding) adds nothing
+    rows = max(1, BLOCK_ELEMENTS // (b * group * t))  # query rows per score block (b, group, rows, t): a long prompt's
+    for h in range(hk):  # block stays bounded, one kv head and a few query rows at a time
+        k = keys[:, h : h + 1].float().transpose(-1, -2)
+        for r0 in range(0, m, rows):
+            q = queries[:, h * group : (h + 1) * group, r0 : r0 + rows].float()
+            s = (q @ k) * scaling
+            p = torch.softmax(s.masked_fill(hidden[:, r0 : r0 + rows].unsqueeze(1), float("-inf")), dim=-1)
+            mass += p.nan_to_num(0.0).sum(dim=(1, 2))  # a row with no visible key (all padding) adds nothing
     return mass
 
 
