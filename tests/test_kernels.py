@@ -101,6 +101,31 @@ def test_kernels_do_not_depend_on_thread_count(threads):
     assert_fp32_close(many[1], one[1])  # token slices are summed at the end: order depends on threads
 
 
+@pytest.mark.parametrize("threads", [2, 3])
+@pytest.mark.parametrize("t", [40, 3000])  # a part run on the calling thread, and one whose items threads take in turn
+def test_decode_kernels_are_bitwise_equal_for_any_thread_count(threads, t):
+    """Each work item writes its own partial and the splits merge in a fixed order, so which thread
+    took which item (handed out from a shared counter) cannot change a bit of the result."""
+    gen = torch.Generator().manual_seed(t)
+    b, h, r, d = 1, 3, 3, 64
+    codes = [pack_bits(torch.randint(0, 2**bits, (b, h, t, d), generator=gen), bits) for bits in (3, 2)]
+    norms = [(torch.rand(b, h, t, 1, generator=gen) + 0.5).half() for _ in range(2)]
+    q = torch.randn(b, h, r, d, generator=gen)
+    tq = (q, torch.randn(b, h, r, 1, generator=gen), codes[0], norms[0], lloyd_max_codebook(d, 3).centroids, 3,
+          codes[1], norms[1], lloyd_max_codebook(d, 2).centroids, 2, 0.125)
+    dense = (q, torch.randn(b, h, t, d, generator=gen).half(), None, torch.randn(b, h, t, d, generator=gen).half(), None, 0.125)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = [*cpu_lut.tq_attention(*tq), *cpu_lut.dense_attention(*dense)]
+        torch.set_num_threads(threads)
+        many = [*cpu_lut.tq_attention(*tq), *cpu_lut.dense_attention(*dense)]
+    finally:
+        torch.set_num_threads(before)
+    for a, e in zip(many, one, strict=True):
+        assert torch.equal(a, e)
+
+
 def test_non_contiguous_inputs_are_accepted():
     q, p, codes, norm, c = lut_inputs(4, 64, 200, 3)
     sliced_codes, sliced_norm = codes[:, :, 50:150], norm[:, :, 50:150]

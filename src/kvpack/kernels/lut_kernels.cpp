@@ -16,6 +16,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -311,6 +312,31 @@ void int8_weighted_sum_impl(const float* p, const int8_t* codes, const at::Half*
 
 constexpr int64_t kSplit = 512;  // tokens per work item: scores of 16 rows stay in L1/L2
 
+// Work items of a decode kernel, handed out one at a time from a shared counter. A parallel region
+// costs a fork and a barrier: microseconds on a quiet machine, but up to a scheduler time slice when
+// other processes share the cores, since the barrier waits for every thread and a preempted one holds
+// its whole static share. A layer step opens one region per part (sinks, window, anchors, segments),
+// so parts with little work run on the calling thread (no region at all), and larger ones let a
+// running thread take the items a preempted thread has not started. Each item writes only its own
+// partial, so results do not depend on which thread ran it.
+constexpr int64_t kSerialWork = 8192;  // token x query-row pairs below which a part runs on the calling thread
+
+template <typename F>
+void for_items(int64_t n, int64_t work, const F& body) {
+  if (n <= 0) return;
+  std::atomic<int64_t> counter{0};
+  auto next = [&]() -> int64_t {
+    const int64_t i = counter.fetch_add(1, std::memory_order_relaxed);
+    return i < n ? i : -1;
+  };
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), n);
+  if (threads <= 1 || work < kSerialWork || at::in_parallel_region()) {
+    body(next);
+    return;
+  }
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) { body(next); });
+}
+
 struct Partials {
   int64_t BH, R, d, splits;
   std::vector<float> m, l, o;
@@ -438,12 +464,12 @@ void tq_attention_impl(const float* q, const float* row_off, const uint8_t* kc, 
   std::vector<float> dec(static_cast<int64_t>(VL.entries) * VL.cpu);
   for (int e = 0; e < VL.entries; ++e)
     for (int k = 0; k < VL.cpu; ++k) dec[e * VL.cpu + k] = vcent[(e >> (k * VL.bits)) & VL.mask];
-  at::parallel_for(0, BH * splits, 1, [&](int64_t lo, int64_t hi) {
+  for_items(BH * splits, BH * T * R, [&](const auto& next) {
     std::vector<float> table(KL.units * unit_stride);
     std::vector<float> s(static_cast<int64_t>(R) * kSplit);
     std::vector<float> rows_buf(4 * static_cast<int64_t>(VL.units) * VL.cpu, 0.f);
     int64_t built = -1;
-    for (int64_t i = lo; i < hi; ++i) {
+    for (int64_t i; (i = next()) >= 0;) {
       const int64_t bh = i / splits, sp = i % splits;
       const int64_t t0 = sp * kSplit, t1 = std::min(T, t0 + kSplit), n = t1 - t0;
       if (bh != built) {
@@ -494,11 +520,11 @@ void dense_attention_impl(const float* q, const KT* k, int64_t k_bh, const at::H
                           const at::Half* vs, int64_t vs_bh, int64_t BH, int R, int64_t T, int d, int dv, float scale, const Skip& skip,
                           Partials& P) {
   const int64_t splits = P.splits;
-  at::parallel_for(0, BH * splits, 1, [&](int64_t lo, int64_t hi) {
+  for_items(BH * splits, BH * T * R, [&](const auto& next) {
     std::vector<float> s(static_cast<int64_t>(R) * kSplit);
     std::vector<float> rows(4 * static_cast<int64_t>(std::max(d, dv)), 0.f);
     const float* kr[4] = {rows.data(), rows.data() + d, rows.data() + 2 * d, rows.data() + 3 * d};
-    for (int64_t i = lo; i < hi; ++i) {
+    for (int64_t i; (i = next()) >= 0;) {
       const int64_t bh = i / splits, sp = i % splits;
       const int64_t t0 = sp * kSplit, t1 = std::min(T, t0 + kSplit), n = t1 - t0;
       const KT* kb = k + bh * k_bh;
@@ -913,7 +939,7 @@ void pca_vq_attention_impl(const float* q, const PCAKeys& K, const VQValues& V, 
     steps[j] = std::cos(inv_freq[j]);
     steps[half + j] = std::sin(inv_freq[j]);
   }
-  at::parallel_for(0, B * K.groups * splits, 1, [&](int64_t lo, int64_t hi) {
+  for_items(B * K.groups * splits, B * kv * T * R, [&](const auto& next) {
     std::vector<float> s(static_cast<int64_t>(per) * R * kSplit);
     std::vector<float> lev(static_cast<int64_t>(kTile) * std::max(K.rank, 1));
     std::vector<uint8_t> scratch(std::max(K.rank, 1));
@@ -922,7 +948,7 @@ void pca_vq_attention_impl(const float* q, const PCAKeys& K, const VQValues& V, 
     std::vector<float> cs(static_cast<int64_t>(kTile) * d);
     std::vector<float> rows(4 * static_cast<int64_t>(d));
     std::copy(steps.begin(), steps.end(), rot.begin() + 2 * half);
-    for (int64_t i = lo; i < hi; ++i) {
+    for (int64_t i; (i = next()) >= 0;) {
       const int64_t b = i / (K.groups * splits), g = (i / splits) % K.groups, sp = i % splits;
       const int64_t t0 = sp * kSplit, t1 = std::min(T, t0 + kSplit), n = t1 - t0;
       pca_split_scores(q, K, b, static_cast<int>(g), per, R, d, t0, t1, pos0[b], inv_freq, rope_scale, scale, s.data(), lev, scratch, kt, rot, cs);
