@@ -160,6 +160,75 @@ def test_kernels_skip_exactly_the_listed_tokens(kind):
         call(torch.arange(t), torch.tensor([t]))
 
 
+def _feed(layer: KVPackLayer, n: int, planted: int, gqa: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    """One forward of `n` new tokens `(b, kv, n, d)` whose own queries (the last 128 rows) all look along the direction
+    of the chunk's token `planted`; the layer observes them and flushes, as kvpack attention does. Returns the K/V fed."""
+    b, hk, d = 2, 2, 64
+    u = torch.nn.functional.normalize(torch.randn(d), dim=0)
+    k, v = torch.randn(b, hk, n, d), torch.randn(b, hk, n, d)
+    k[:, :, planted] = 20 * u
+    layer.update(k, v)
+    layer.observe_queries(torch.randn(b, hk * gqa, n, d) + 3 * u, d**-0.5)
+    layer.flush()
+    return k, v
+
+
+def test_later_flushes_keep_anchors_where_their_own_queries_look():
+    """After the prompt, each flush keeps the method's fraction of the block it compresses (a fraction of a token owed
+    to the next block), ranked by the queries of the forward that flushes it: a second chunk's planted token becomes an
+    anchor, and attention over the layer equals the reference with every anchor's original rows."""
+    torch.manual_seed(1)
+    d = 64
+    layer = KVPackLayer(get_method("turboquant:k3v2@anchors=4%"), 0, _Cfg(), (1.0 / (10000 ** (torch.arange(0, d, 2).float() / d)), 1.0))
+    k1, v1 = _feed(layer, 4 + 64 * 4 + 37 + 64, planted=100)
+    prompt, (seg,) = layer.anchors.index.tolist(), layer.segments
+    assert len(prompt) == round(0.04 * seg.length) and 100 in prompt
+    start = seg.start + seg.length
+    k2, v2 = _feed(layer, 200, planted=20)  # the window (64) + 200 tokens: three blocks of 64 leave it
+    flushed = 192
+    later = layer.anchors.index.tolist()[len(prompt) :]
+    assert seg.length == start - seg.start + flushed and len(later) == int(0.04 * flushed)
+    assert layer.anchor_credit == pytest.approx(0.04 * flushed - len(later))
+    assert 361 + 20 in later and all(start <= i < start + flushed for i in later)
+    assert layer.fit_queries is None  # a forward's queries are dropped once its flush has used them
+    k0, v0 = torch.cat([k1, k2], 2), torch.cat([v1, v2], 2)
+    q = torch.randn(2, 6, 1, d)
+    ref = _reference(layer, k0, v0, q, d**-0.5)
+    outs = {"segmented": segmented_attention(layer, q, None, d**-0.5)}
+    outs["ops"] = ungroup(_ops_decode(layer, group_query(q, layer.kv_heads), q, d**-0.5), q.shape[1])
+    if kernels.available():
+        outs["fused"] = fused_decode(layer, q, d**-0.5)
+    for path, out in outs.items():
+        torch.testing.assert_close(out, ref, atol=2e-4, rtol=1e-3, msg=lambda m, path=path: f"{path}: {m}")
+
+
+def test_decode_steps_keep_no_queries_until_a_block_leaves_the_window():
+    """After the prompt a decode step's query is held only when its flush will compress a block (no per-step copy)."""
+    torch.manual_seed(2)
+    d = 64
+    layer = KVPackLayer(get_method("turboquant:k3v2@anchors=4%"), 0, _Cfg(), (1.0 / (10000 ** (torch.arange(0, d, 2).float() / d)), 1.0))
+    _feed(layer, 4 + 64 * 4 + 64, planted=100)
+    count, held = layer.anchors.count, []
+    for _ in range(64):
+        layer.update(torch.randn(2, 2, 1, d), torch.randn(2, 2, 1, d))
+        layer.observe_queries(torch.randn(2, 6, 1, d), d**-0.5)
+        held.append(layer.fit_queries is not None)
+        layer.flush()
+    assert held == [False] * 63 + [True]  # the 64th step overflows the window by a block
+    assert layer.anchors.count == count + int(0.04 * 64)
+
+
+def test_a_prompt_codec_keeps_its_anchors_to_the_prompt():
+    """Shard's later blocks go to its stream codec's segment (int8), not the prompt's: no anchors are added there."""
+    torch.manual_seed(3)
+    d = 64
+    layer = KVPackLayer(get_method("shard@anchors=4%"), 0, _Cfg(), (1.0 / (10000 ** (torch.arange(0, d, 2).float() / d)), 1.0))
+    _feed(layer, 4 + 64 * 4 + 37 + 64, planted=100)
+    index = layer.anchors.index.tolist()
+    _feed(layer, 200, planted=20)
+    assert layer.anchors.index.tolist() == index
+
+
 def test_crop_drops_anchors_past_the_cut_and_attention_stays_exact():
     layer, k0, v0, q = _anchored_layer("turboquant:k3v2")
     idx = layer.anchors.index.tolist()

@@ -1,10 +1,12 @@
-"""Anchors: the few prompt tokens the model attends to most, kept exact beside their codes.
+"""Anchors: the few tokens the model attends to most, kept exact beside their codes.
 
 Besides the first tokens (the sinks), a few tokens in the middle of a prompt draw much of the
 attention, and an unlucky code on one of them is most of what one rotation draw loses and another
 does not (docs/decisions.md). At the prompt's flush the layer ranks its compressed tokens by the
 attention its last queries paid them (`primitives.attention_mass`) and keeps the top
-`MethodConfig.anchors` fraction in the exact dtype.
+`MethodConfig.anchors` fraction in the exact dtype; each later flush does the same for its block with
+the queries of the forward that flushes it (a chunk's, or a decode step's), so a long generation or a
+chunked prompt keeps the same fraction of anchors over all of its tokens.
 
 Their codes stay in the segment, so the segment's run, crop and save are unchanged. Attention reads
 the exact anchors as one more part, and the segment's part leaves their codes out: the CPU kernels
@@ -20,7 +22,7 @@ import dataclasses
 
 import torch
 
-from ..codecs.base import Codec, Packed, gather_packed
+from ..codecs.base import Codec, Packed, concat_packed, gather_packed
 
 KIND = "anchors"  # the exact anchors' part in a decode step's partials (the tracker counts it as exact)
 
@@ -51,6 +53,16 @@ class Anchors:
         if offset.numel() and (int(offset.min()) < 0 or int(offset.max()) >= seg.length):
             raise ValueError(f"anchors {index.tolist()} lie outside the segment of tokens [{seg.start}, {seg.start + seg.length})")
         return cls(index, k, v, seg.key_codec, seg.value_codec, gather_packed(seg.keys, offset), gather_packed(seg.values, offset), seg.kind)
+
+    def extend(self, seg, index: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Anchors:
+        """These anchors and tokens `index (h,)` of the same segment, all after them, with their exact rows `(b, kv, h, d)`."""
+        if index.numel() and int(index[0]) <= int(self.index[-1]):
+            raise ValueError(f"new anchors {index.tolist()} must follow the held ones (last {int(self.index[-1])})")
+        more = Anchors.gather(seg, index, k, v)
+        return dataclasses.replace(
+            self, index=torch.cat([self.index, more.index]), k=torch.cat([self.k, more.k], 2), v=torch.cat([self.v, more.v], 2),
+            keys=concat_packed([self.keys, more.keys]), values=concat_packed([self.values, more.values]),
+        )
 
     @property
     def count(self) -> int:

@@ -164,7 +164,8 @@ class KVPackLayer(CacheLayerMixin):
         # (codecs with `fits_on_queries`, e.g. Shard's PCA choosing its rank by score error).
         self.fit_queries: torch.Tensor | None = None
         self.fit_scaling: float | None = None  # the attention scale those queries were read with
-        self.anchors: Anchors | None = None  # prompt tokens kept exact beside their codes (MethodConfig.anchors)
+        self.anchors: Anchors | None = None  # compressed tokens kept exact beside their codes (MethodConfig.anchors)
+        self.anchor_credit = 0.0  # anchors owed to the blocks flushed since the prompt (a fraction of a token carries over)
         # (start, tokens, segment kind) of compressed tokens evicted to keep a memory budget (kvpack.cache.budget)
         self.evicted: tuple[tuple[int, int, str], ...] = ()
         self.is_initialized = False
@@ -377,8 +378,16 @@ class KVPackLayer(CacheLayerMixin):
         for codecs that fit on queries and to choose anchors (`scaling`: the attention scale they are read with).
 
         Rows accumulate over forwards, so a short prompt followed by decode steps still fits on many queries.
+        Once the prompt is compressed, only anchors read queries: this forward's rows, held until its flush
+        chooses the anchors among the tokens it compresses (a decode step's one row; a chunk's many).
         """
-        if self.segments or not (self._fits_on_queries() or self.method.anchors):
+        if self.segments:
+            # A decode step that flushes nothing skips this (no per-step copy).
+            if self.method.anchors and self.win_k.shape[2] - self.method.window >= self.method.block_size:
+                self.fit_scaling = scaling
+                self.fit_queries = query[:, :, -FIT_QUERIES:].detach().float()
+            return
+        if not (self._fits_on_queries() or self.method.anchors):
             return
         self.fit_scaling = scaling
         real = query.shape[2] - (self.pad_max if self.updates == 1 else 0)  # left padding leads the first forward
@@ -395,6 +404,8 @@ class KVPackLayer(CacheLayerMixin):
         """Compress what overflows the window (called after attention read it), then keep the memory budget."""
         self.pending_attention = False
         self._flush_blocks()
+        if self.segments:  # after the prompt, a forward's queries serve only its own flush
+            self.fit_queries = None
         if self.budget is not None:  # every forward, flush or not: the window grows between flushes
             budget.enforce(self)
 
@@ -416,7 +427,7 @@ class KVPackLayer(CacheLayerMixin):
             return
         k, v = self.win_k[:, :, :n], self.win_v[:, :, :n]
         start = self.length - self.win_k.shape[2]
-        chosen = self._choose_anchors(start, n) if first else None
+        chosen = self._choose_anchors(start, n, first)
         if prefill:
             positions = self.positions(start, n)
             kc.fit(k, positions, **({"queries": self.fit_queries} if kc.fits_on_queries else {}))
@@ -430,26 +441,48 @@ class KVPackLayer(CacheLayerMixin):
                 done += m
         self.store(kind, k[:, :, done:], v[:, :, done:], start + done)
         if chosen is not None:
-            seg = next(seg for seg in self.segments if seg.start == start)  # tiers and anchors never mix: one segment
-            self.anchors = Anchors.gather(seg, start + chosen, k.index_select(2, chosen), v.index_select(2, chosen))
+            self._add_anchors(start + chosen, k.index_select(2, chosen), v.index_select(2, chosen))
         self.fit_queries = None
         self.win_k, self.win_v = self.win_k[:, :, n:].contiguous(), self.win_v[:, :, n:].contiguous()
         if self.tracker is not None:  # the only moment the block's originals sit next to its encoding
             self.tracker.on_flush(self, k, v, start)
         self._demote()
 
-    def _choose_anchors(self, start: int, n: int) -> torch.Tensor | None:
-        """Indices `(h,)` into the prompt's tokens [start, start + n) to keep exact (`MethodConfig.anchors` of them, at
-        least one): those the prompt's last queries attend to most. None without anchors or without queries (the
-        prompt ran without kvpack attention)."""
+    def _choose_anchors(self, start: int, n: int, first: bool) -> torch.Tensor | None:
+        """Indices `(h,)` into the tokens [start, start + n) about to be compressed to keep exact: those the latest
+        queries attend to most. The prompt keeps `MethodConfig.anchors` of its tokens (at least one); each later
+        flush keeps the same fraction of its block, owed across blocks (`anchor_credit`), so anchors cover the whole
+        context, not only the prompt. None when none is due or no queries were seen (no kvpack attention)."""
         if not self.method.anchors or self.fit_queries is None or self.fit_scaling is None:
             return None
-        keys = torch.cat([self.sink_k, self.win_k], dim=2)  # every token so far: nothing is compressed yet
-        rows = min(self.fit_queries.shape[2], keys.shape[2])
+        if not first and self.method.prefill_key is not None:  # the prompt's own codec holds the anchors; later blocks go elsewhere
+            return None
+        if first:
+            count = min(n, max(1, round(self.method.anchors * n)))
+        else:
+            self.anchor_credit += self.method.anchors * n
+            count = min(n, int(self.anchor_credit))
+            self.anchor_credit -= count
+            if not count:
+                return None
+        # Every exact token: the whole context at the prompt's flush; later, the sinks and the window, which holds
+        # the block and the queries' own tokens (the compressed tokens' share of each query is left out of the
+        # normalization, which shifts how much each query weighs, not the order of the tokens it reads).
+        keys = torch.cat([self.sink_k, self.win_k], dim=2)
+        rows = min(self.fit_queries.shape[2], self.win_k.shape[2] if not first else keys.shape[2])
         first_valid = self.pad  # left padding sits in the sinks; its keys are never attended
         mass = received_attention(self.fit_queries[:, :, -rows:], keys, self.fit_scaling, first_valid)
-        count = min(n, max(1, round(self.method.anchors * n)))
-        return most_attended(mass[:, start : start + n], count).to(self.win_k.device)
+        lo = start if first else self.sink_k.shape[2]  # where the block sits among those keys
+        return most_attended(mass[:, lo : lo + n], count).to(self.win_k.device)
+
+    def _add_anchors(self, index: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Keep tokens `index (h,)` (just compressed, after every current anchor) exact, with rows `k`, `v` `(b, kv, h, d)`."""
+        first = int(index[0])
+        seg = next(seg for seg in self.segments if seg.start <= first < seg.start + seg.length)
+        if self.anchors is None:
+            self.anchors = Anchors.gather(seg, index, k, v)
+        elif self.anchors.skip_in(seg) is not None:  # one segment holds every anchor (a prompt codec's segment ends at the prompt)
+            self.anchors = self.anchors.extend(seg, index, k, v)
 
     def store(self, kind: str, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
         """Encode tokens [start, start + n) with `kind`'s codecs, appending to the segment that ends at `start`."""

@@ -67,7 +67,7 @@ LAYER_ATTRIBUTES = frozenset({
     "method", "layer_idx", "model_config", "rope", "length", "updates", "sink_k", "sink_v", "win_k", "win_v", "segments",
     "pos_offset", "pad", "pad_max", "_codecs", "pending_attention", "is_initialized", "dtype", "device", "batch", "kv_heads",
     "head_dim", "v_head_dim", "exact_dtype", "keys", "values", "fit_queries", "evicted", "budget", "_first_position",
-    "fit_scaling", "anchors",
+    "fit_scaling", "anchors", "anchor_credit",
 })
 
 
@@ -177,6 +177,8 @@ def _save_kvpack_layer(layer: KVPackLayer, prefix: str, tensors: dict[str, torch
         for part in ("index", "k", "v"):
             tensors[f"{prefix}.anchors.{part}"] = getattr(layer.anchors, part)
         entry["anchors"] = layer.anchors.count
+    if layer.anchor_credit:
+        entry["anchor_credit"] = layer.anchor_credit  # the next flush's share of an anchor, so a loaded cache chooses as the saved one would
     return entry
 
 
@@ -321,6 +323,7 @@ def _restore_kvpack_layer(layer: KVPackLayer, entry: dict, tensors: _Tensors, pa
     _check_layer_layout(layer, tensors.prefix, path)
     if "anchors" in entry:
         layer.anchors = _load_anchors(layer, int(entry["anchors"]), tensors, path)
+    layer.anchor_credit = float(entry.get("anchor_credit", 0.0))
 
 
 def _load_anchors(layer: KVPackLayer, count: int, tensors: _Tensors, path: Path) -> Anchors:
