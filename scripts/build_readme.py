@@ -61,8 +61,8 @@ def summary_table(path: Path) -> str:
 
 def shard_rows(results: Path) -> str:
     """Shard's row of every compare table, with its run's uncompressed needle count beside it."""
-    lines = ["| model | context | bytes/token | x fp16 | ppl delta | needles (shard / uncompressed) | attn cos (min) | decode x dyn |",
-             "|---|---:|---:|---:|---:|---|---:|---:|"]
+    lines = ["| model | context | bytes/token | x fp16 | ppl delta | needles (shard / uncompressed) | attn cos (min) |",
+             "|---|---:|---:|---:|---:|---|---:|"]
     for model in ("smollm2-135m", "qwen2.5-0.5b"):
         for ctx in ("2k", "8k"):
             path = results / f"compare-{model}-{ctx}.json"
@@ -77,7 +77,7 @@ def shard_rows(results: Path) -> str:
             lines.append(
                 f"| {model} | {row['context']:,} | {row['bytes_per_token']:,.0f} | **{row['ratio_vs_fp16']:.2f}x** | **{row['ppl_delta_pct']:+.2f}%** | "
                 f"{row['needle_found']}/{row['needle_total']} / {base['needle_found']}/{base['needle_total']} (at {', '.join(map(str, lengths))}) | "
-                f"{row['cosine_min']:.3f} | {row['decode_ratio']:.2f}x |"
+                f"{row['cosine_min']:.3f} |"
             )
     return "\n".join(lines)
 

@@ -152,8 +152,9 @@ class MethodConfig:
     tiers: older tiers (ADR-004), see `Tier`.
     layer_codecs: per-layer `key` / `value` overrides (`LayerCodecs`, each layer listed at most once);
         `for_layer(idx)` is the config a layer runs (`auto:<target>` allocates bits this way, kvpack/auto.py).
-    anchors: fraction of the prompt's compressed tokens also kept exact, beside their codes: those its last
-        queries attend to most (kvpack/cache/anchors.py; name suffix `@anchors=0.5%`). 0 keeps none.
+    anchors: fraction of the compressed tokens also kept exact, beside their codes: of the prompt, those its last
+        queries attend to most; of each later block, those the queries of the forward that flushes it attend to
+        most (kvpack/cache/anchors.py; name suffix `@anchors=0.5%`). 0 keeps none.
     """
 
     name: str
@@ -259,15 +260,15 @@ class MethodConfig:
         return replace(changed, name=f"{self.name}{WINDOW_SUFFIX}{tokens}")
 
     def with_anchors(self, fraction: float) -> MethodConfig:
-        """This method with `fraction` of the prompt's compressed tokens also kept exact (the most attended ones),
+        """This method with `fraction` of its compressed tokens also kept exact (the most attended ones),
         named `name@anchors=P%`. Half a percent (about ten tokens of 2K) cut turboquant:k3v2's perplexity loss by
-        40-45% on SmolLM2 and Gemma-3 at 2K for 2.8% more bytes (docs/decisions.md)."""
+        40-60% on SmolLM2 and Gemma-3 at 2K for 2.8% more bytes (docs/decisions.md)."""
         changed = replace(self, anchors=fraction)  # validates
         return replace(changed, name=f"{self.name}{ANCHORS_SUFFIX}{_percent(fraction)}")
 
 
 SEED_SUFFIX = "@seed="  # `turboquant:k3v2@seed=1`: the method's codecs drawn from another seed (`MethodConfig.with_seed`)
-ANCHORS_SUFFIX = "@anchors="  # `turboquant:k3v2@anchors=0.5%`: the prompt's most-attended tokens kept exact (`with_anchors`)
+ANCHORS_SUFFIX = "@anchors="  # `turboquant:k3v2@anchors=0.5%`: the most-attended compressed tokens kept exact (`with_anchors`)
 WINDOW_SUFFIX = "@window="  # `turboquant:k3v2@window=32`: the exact recent window's size in tokens (`with_window`)
 SUFFIXES = ("anchors", "window", "seed")  # the order a name carries them in
 MAX_ANCHORS = 0.25

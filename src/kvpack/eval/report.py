@@ -41,7 +41,8 @@ COLUMNS: list[tuple[str, Callable[[dict], str], str | None]] = [
     ("attn cos (min)", _number("cosine_min", "{:.4f}"), None),
     ("prefill tok/s", _number("prefill_tok_s", "{:,.0f}"), None),
     ("decode tok/s", _number("decode_tok_s", "{:.1f}"), None),
-    ("decode x dyn", _number("decode_ratio", "{:.2f}x"), None),
+    # No speed ratio here: these methods were timed one after another, not interleaved step by step, so machine
+    # noise between them would read as a speed difference (ratios: `python -m kvpack.bench.decode`, docs/speed.md).
 ]
 
 
