@@ -468,10 +468,10 @@ def _auto(arg: str) -> MethodConfig:
 # Registered by hand, not with `@method`: list_methods() is the test matrix, and it has no calibration profile.
 METHODS["auto"] = _auto
 
-# The default: TurboQuant 3-bit keys and 2-bit values, the prompt's 0.5% most-attended tokens kept exact (anchors), and a
-# 32-token exact window. Over five rotation draws at 2K it loses +2.1% (SmolLM2) and +1.5% (Gemma-3) perplexity at
-# 5.14x, where turboquant:k3v2 (window 64, no anchors) loses +2.7% and +2.9% at 4.96x; at 8K on SmolLM2 +0.7% at 5.49x
-# against +2.3% (docs/decisions.md, "Choosing the default").
+# The default: TurboQuant 3-bit keys and 2-bit values, the 0.5% most-attended compressed tokens kept exact (anchors), and
+# a 32-token exact window. Over five rotation draws at 2K it loses +1.7% (SmolLM2) and +1.2% (Gemma-3) perplexity at
+# 5.14x, where turboquant:k3v2 (window 64, no anchors) loses +2.7% and +2.9% at 4.96x; at 8K on SmolLM2 +0.6-0.8% at
+# 5.49x against +2.3% (docs/decisions.md, "Choosing the default").
 DEFAULT_METHOD = "turboquant:k3v2@anchors=0.5%@window=32"
 
 

@@ -383,7 +383,7 @@ class KVPackLayer(CacheLayerMixin):
         """
         if self.segments:
             # A decode step that flushes nothing skips this (no per-step copy).
-            if self.method.anchors and self.win_k.shape[2] - self.method.window >= self.method.block_size:
+            if self._anchors_later() and self.win_k.shape[2] - self.method.window >= self.method.block_size:
                 self.fit_scaling = scaling
                 self.fit_queries = query[:, :, -FIT_QUERIES:].detach().float()
             return
@@ -455,7 +455,7 @@ class KVPackLayer(CacheLayerMixin):
         context, not only the prompt. None when none is due or no queries were seen (no kvpack attention)."""
         if not self.method.anchors or self.fit_queries is None or self.fit_scaling is None:
             return None
-        if not first and self.method.prefill_key is not None:  # the prompt's own codec holds the anchors; later blocks go elsewhere
+        if not first and not self._anchors_later():
             return None
         if first:
             count = min(n, max(1, round(self.method.anchors * n)))
@@ -474,6 +474,11 @@ class KVPackLayer(CacheLayerMixin):
         mass = received_attention(self.fit_queries[:, :, -rows:], keys, self.fit_scaling, first_valid)
         lo = start if first else self.sink_k.shape[2]  # where the block sits among those keys
         return most_attended(mass[:, lo : lo + n], count).to(self.win_k.device)
+
+    def _anchors_later(self) -> bool:
+        """Whether blocks flushed after the prompt get anchors: not with a prompt codec, whose segment holds the
+        prompt's anchors while later blocks go to the stream codec's segment."""
+        return bool(self.method.anchors) and self.method.prefill_key is None
 
     def _add_anchors(self, index: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Keep tokens `index (h,)` (just compressed, after every current anchor) exact, with rows `k`, `v` `(b, kv, h, d)`."""
