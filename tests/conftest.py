@@ -4,7 +4,9 @@ import os
 
 # Triton decides at its first import whether to interpret kernels on the CPU, and `import kvpack`
 # can import it indirectly (transformers -> a peer -> torch.compile): set the switch before anything.
-os.environ.setdefault("TRITON_INTERPRET", "1")
+# KVPACK_TEST_DEVICE=cuda runs the Triton tests compiled on a GPU instead (tests/triton_device.py).
+if os.environ.get("KVPACK_TEST_DEVICE", "cpu") == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

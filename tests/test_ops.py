@@ -4,12 +4,12 @@ backend dispatch and fallbacks, and registration (`opcheck`, `torch.compile(full
 The input builders here are shared with test_triton_kernels.py (which imports them).
 """
 
+# ruff: noqa: I001  (triton_device is imported first, before anything can import triton)
 from __future__ import annotations
 
 import functools
-import os
 
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported (when this module runs first): Triton kernels run on CPU tensors
+import triton_device  # noqa: F401  first: it turns Triton's interpreter on unless KVPACK_TEST_DEVICE=cuda
 
 import warnings
 

@@ -10,11 +10,12 @@ row, splits of the sequence that are entirely padding. When triton was imported 
 could turn the interpreter on (a whole-suite run), the tests run in a fresh process instead.
 """
 
+# ruff: noqa: I001  (triton_device is imported first, before anything can import triton)
 from __future__ import annotations
 
 import os
 
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: kernels run on CPU tensors
+import triton_device  # first: it turns Triton's interpreter on unless KVPACK_TEST_DEVICE=cuda
 
 import subprocess
 import sys
@@ -33,6 +34,7 @@ except ImportError as e:  # CI installs triton and sets KVPACK_REQUIRE_TRITON=1:
 from kvpack.kernels import reference, triton_attention
 from kvpack.kernels.ops import run_triton
 from kvpack.primitives.lloyd_max import lloyd_max_codebook
+from triton_device import on_device, to_device
 from test_ops import (
     B,
     H,
@@ -48,7 +50,7 @@ from test_ops import (
 # Triton chooses the interpreter when `triton` is first imported. In a whole-suite run it already was,
 # without it (`import kvpack` -> transformers -> hqq -> torch.compile imports triton), so this module's
 # tests then run in a fresh process that has TRITON_INTERPRET=1 from the start.
-IN_PROCESS = triton_attention.INTERPRETED
+IN_PROCESS = triton_attention.INTERPRETED or triton_device.DEVICE == "cuda"
 in_process = pytest.mark.skipif(not IN_PROCESS, reason="triton was imported without the interpreter: run by test_in_a_fresh_process")
 
 
@@ -88,7 +90,7 @@ TQ_CASES = [  # head_dim, GQA group, query tokens, key bits, value bits, splits
 @pytest.mark.parametrize("d,group,q_len,k_bits,v_bits,splits", TQ_CASES, ids=[f"d{c[0]}-g{c[1]}-q{c[2]}-k{c[3]}v{c[4]}-s{c[5]}" for c in TQ_CASES])
 def test_tq_attention(d, group, q_len, k_bits, v_bits, splits):
     args = tq_inputs(d, group * q_len, k_bits, v_bits) | {"bias": make_bias(B, q_len, T)}
-    assert_within_low_precision("tq_attention", run_triton("tq_attention", **args, num_splits=splits), args)
+    assert_within_low_precision("tq_attention", on_device(run_triton, "tq_attention", **args, num_splits=splits), args)
 
 
 @in_process
@@ -97,11 +99,12 @@ def test_tq_attention_offset_softcap_strided_and_masked_rows():
     batch row masked entirely (m = l = o = 0) and a split that is all padding (4 splits of 64 < PAD)."""
     d, rows = 96, 4
     args = tq_inputs(d, rows, 3, 3, t=T + 40)
+    dev = to_device(args)  # narrowed where the kernel reads them; `args` stays on the CPU for the reference
     for name in ("k_codes", "k_norm", "v_codes", "v_norm"):
-        args[name] = args[name][:, :, 13 : 13 + T]
-    assert not args["k_codes"].is_contiguous()
+        args[name], dev[name] = args[name][:, :, 13 : 13 + T], dev[name][:, :, 13 : 13 + T]
+    assert not dev["k_codes"].is_contiguous()
     args |= {"row_offset": torch.randn(B, H, rows, 1), "bias": make_bias(B, 1, T, masked_row=2), "softcap": 5.0}
-    m, denom, o = out = run_triton("tq_attention", **args, num_splits=4)
+    m, denom, o = out = on_device(run_triton, "tq_attention", **(args | {k: dev[k] for k in ("k_codes", "k_norm", "v_codes", "v_norm")}), num_splits=4)
     assert_within_low_precision("tq_attention", out, args)
     assert not m[2].any() and not denom[2].any() and not o[2].any()
 
@@ -110,7 +113,7 @@ def test_tq_attention_offset_softcap_strided_and_masked_rows():
 def test_empty_segment():
     args = tq_inputs(64, 4, 2, 2, t=8)
     args |= {name: args[name][:, :, :0] for name in ("k_codes", "k_norm", "v_codes", "v_norm")}
-    m, denom, o = run_triton("tq_attention", **args)
+    m, denom, o = on_device(run_triton, "tq_attention", **args)
     assert o.shape == (B, H, 4, 64) and not m.any() and not denom.any() and not o.any()
 
 
@@ -122,7 +125,7 @@ INT8_CASES = [(64, 1, 1, 1), (80, 4, 1, 3), (96, 7, 1, 2), (128, 4, 5, 1), (256,
 @pytest.mark.parametrize("d,group,q_len,splits", INT8_CASES, ids=[f"d{c[0]}-g{c[1]}-q{c[2]}-s{c[3]}" for c in INT8_CASES])
 def test_int8_attention(d, group, q_len, splits):
     args = int8_inputs(d, group * q_len) | {"bias": make_bias(B, q_len, T)}
-    assert_within_low_precision("int8_attention", run_triton("int8_attention", **args, num_splits=splits), args)
+    assert_within_low_precision("int8_attention", on_device(run_triton, "int8_attention", **args, num_splits=splits), args)
 
 
 KIVI_CASES = [  # d, group, q_len, key bits, value bits, value group, splits
@@ -137,7 +140,7 @@ KIVI_CASES = [  # d, group, q_len, key bits, value bits, value group, splits
 @pytest.mark.parametrize("d,group,q_len,k_bits,v_bits,v_group,splits", KIVI_CASES, ids=[f"d{c[0]}-g{c[1]}-q{c[2]}-k{c[3]}v{c[4]}-s{c[6]}" for c in KIVI_CASES])
 def test_kivi_attention(d, group, q_len, k_bits, v_bits, v_group, splits):
     args = kivi_inputs(d, group * q_len, k_bits, v_bits, v_group) | {"bias": make_bias(B, q_len, 224)}
-    assert_within_low_precision("kivi_attention", run_triton("kivi_attention", **args, num_splits=splits), args)
+    assert_within_low_precision("kivi_attention", on_device(run_triton, "kivi_attention", **args, num_splits=splits), args)
 
 
 # -- TurboQuant encode ----------------------------------------------------------------------------------
@@ -155,7 +158,7 @@ def test_tq_encode(d, bits, fitted):
     signs = (torch.randint(0, 2, (H, d), generator=gen) * 2 - 1).float()
     boundaries = lloyd_max_codebook(d, bits, "gaussian").boundaries
     args = (x, mean, inv_scale, signs, boundaries, bits)
-    norm, codes = run_triton("tq_encode", *args)
+    norm, codes = on_device(run_triton, "tq_encode", *args)
     ref_norm, ref_codes = reference.tq_encode(*args)
     assert norm.dtype == torch.float16 and codes.dtype == torch.uint8 and codes.shape == ref_codes.shape
     assert norm[1, 0, 3].item() == 0
@@ -181,6 +184,6 @@ def test_kivi_encode(d, bits, axis, group):
     x[0, 0, :32, 5] = 1.5  # constant key groups: x - zero is 0 (0/0 -> code 0) ...
     x[0, 0, 32:64, 6] = 0.1  # ... or, zero rounded to fp16, a tiny positive (x/0 = inf -> top code)
     x[0, 1, 7] = 0.25  # a constant value token
-    got = run_triton("kivi_encode", x, bits, group, axis)
+    got = on_device(run_triton, "kivi_encode", x, bits, group, axis)
     for name, g, want in zip(("codes", "scale", "zero"), got, reference.kivi_encode(x, bits, group, axis), strict=True):
         assert g.dtype == want.dtype and torch.equal(g, want), f"{name}: {int((g != want).sum())} entries differ"

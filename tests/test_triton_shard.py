@@ -12,11 +12,12 @@ test_triton_kernels.py, when triton was imported before this module could turn t
 whole-suite run), the Triton tests run in a fresh process; the torch-only tests run in the first one.
 """
 
+# ruff: noqa: I001  (triton_device is imported first, before anything can import triton)
 from __future__ import annotations
 
 import os
 
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: kernels run on CPU tensors
+import triton_device  # first: it turns Triton's interpreter on unless KVPACK_TEST_DEVICE=cuda
 
 import functools
 import subprocess
@@ -32,6 +33,7 @@ from kvpack.kernels import cpu_lut, fused, ops, reference
 from kvpack.primitives.rope import apply_rope, rope_cos_sin
 from kvpack.registry import CodecSpec, get_method
 from test_ops import PAD, B, T, assert_partial_close, make_bias
+from triton_device import on_device, to_device
 
 try:
     import triton  # noqa: F401
@@ -47,11 +49,11 @@ FRESH = os.environ.get("KVPACK_FRESH_TRITON_PROCESS") == "1"
 if TRITON_MISSING is None:
     from kvpack.kernels import triton_shard
 
-    IN_PROCESS = triton_shard.INTERPRETED
+    IN_PROCESS = triton_shard.INTERPRETED or triton_device.DEVICE == "cuda"
 else:
     IN_PROCESS = False
 in_process = pytest.mark.skipif(not IN_PROCESS, reason=TRITON_MISSING or "triton was imported without the interpreter: run by test_in_a_fresh_process")
-first_process = pytest.mark.skipif(FRESH, reason="torch-only: ran in the process that started this one")
+first_process = pytest.mark.skipif(FRESH or triton_device.DEVICE == "cuda", reason="torch-only: ran in the process that started this one, or on CPU")
 
 
 @pytest.mark.skipif(IN_PROCESS or TRITON_MISSING is not None, reason=TRITON_MISSING or "the interpreter is active in this process")
@@ -221,7 +223,7 @@ TRITON_CASES = [  # segment, GQA group, query tokens, splits (of 64-token tiles;
 @pytest.mark.parametrize("name,group,q_len,splits", TRITON_CASES, ids=[f"{c[0]}-g{c[1]}-q{c[2]}-s{c[3]}" for c in TRITON_CASES])
 def test_pca_vq_attention(name, group, q_len, splits):
     args = op_args(name, group * q_len) | {"bias": make_bias(B, q_len, T)}
-    assert_within_low_precision(triton_shard.pca_vq_attention(**args, num_splits=splits), args)
+    assert_within_low_precision(on_device(triton_shard.pca_vq_attention, **args, num_splits=splits), args)
 
 
 @in_process
@@ -229,13 +231,13 @@ def test_softcap_strided_and_masked_rows():
     """Softcap, codes read through token-narrowed views of a larger buffer (no copy), a batch row masked
     entirely (m = l = o = 0) and 4 splits, the first all padding in row 1 (PAD = 100 > 64)."""
     assert PAD > 64
-    args = op_args("layer-d64", 4)
+    args = op_args("layer-d64", 4) | {"bias": make_bias(B, 1, T, masked_row=2), "softcap": 5.0}
+    dev = to_device(args)  # `args` stays on the CPU for the reference
     for name in ("k_codes", "v_idx", "v_norm"):  # the segment's tokens at [13, 13 + T) of a capacity buffer
-        x = args[name]
-        args[name] = torch.cat((x[:, :, -13:], x, x[:, :, :27]), dim=2)[:, :, 13 : 13 + T]
-    assert not args["k_codes"].is_contiguous() and torch.equal(args["k_codes"], op_args("layer-d64", 4)["k_codes"])
-    args |= {"bias": make_bias(B, 1, T, masked_row=2), "softcap": 5.0}
-    m, denom, o = out = triton_shard.pca_vq_attention(**args, num_splits=4)
+        x = dev[name]
+        dev[name] = torch.cat((x[:, :, -13:], x, x[:, :, :27]), dim=2)[:, :, 13 : 13 + T]
+    assert not dev["k_codes"].is_contiguous() and torch.equal(dev["k_codes"].cpu(), args["k_codes"])
+    m, denom, o = out = on_device(triton_shard.pca_vq_attention, **dev, num_splits=4)
     assert_within_low_precision(out, args)
     assert not m[2].any() and not denom[2].any() and not o[2].any()
 
@@ -244,7 +246,7 @@ def test_softcap_strided_and_masked_rows():
 def test_empty_segment():
     args = op_args("head-d80", 4)
     args |= {name: args[name][:, :, :0] for name in ("k_codes", "v_idx")}
-    m, denom, o = triton_shard.pca_vq_attention(**args)
+    m, denom, o = on_device(triton_shard.pca_vq_attention, **args)
     assert o.shape == (B, 2, 4, 80) and not m.any() and not denom.any() and not o.any()
 
 
@@ -271,6 +273,7 @@ def test_ops_segment_partial_matches_codec_path(backend):
 
 
 @in_process
+@pytest.mark.skipif(triton_device.DEVICE == "cuda", reason="routes CPU tensors through Triton's interpreter")
 def test_ops_segment_partial_runs_triton():
     """With backend "triton" under the interpreter the op runs `triton_shard` on CPU tensors."""
     ops.set_backend("triton")

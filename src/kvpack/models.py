@@ -185,6 +185,25 @@ def tiny_random_model(seed: int = 0, dtype: torch.dtype = torch.float32):
     return model.eval(), tokenizer
 
 
+def random_weights_model(config_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu", seed: int = 0):
+    """A model with the architecture in `config_dir/config.json` and random weights, built on `device`.
+
+    For speed measurements where the weights are not at hand (a GPU machine with no copy of them): a decode
+    step's cost depends on the architecture, not on the weights' values, for every codec whose widths are
+    fixed. Perplexity, needles and data-fitted codecs (Shard's rank, `auto`) need the real weights.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = Path(config_dir).expanduser()
+    if not (path / "config.json").is_file():
+        raise ValueError(f"random weights need a model directory with a config.json, got {str(path)!r}")
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval()
+
+
 def load_model(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32):
     """Load `(model, tokenizer)` from a registry name, a local HF directory or a `.gguf` file; never from a hub."""
     os.environ["HF_HUB_OFFLINE"] = "1"

@@ -1,9 +1,16 @@
-"""Decode-step attention speed: each method's compressed-domain attention vs fp32 SDPA.
+"""Decode-step attention speed: each method's compressed-domain attention vs SDPA over uncompressed K/V.
 
-One query token attends to a cache of N tokens. Method and baseline are timed alternately in
-the same loop (this machine is noisy), and the ratio of medians is reported.
+One query token per batch row attends to a cache of N tokens. Method and baseline are timed alternately
+in the same loop (machines are noisy), each call to completion (`torch.cuda.synchronize` on a GPU), and
+the ratio of medians is reported, with the error of the method's output against SDPA over its own
+dequantized cache (the check that the compressed-domain path computes the attention it stands for).
 
     python -m kvpack.bench.attention --contexts 2048 8192 32768 --out bench/results/attention.json
+    python -m kvpack.bench.attention --device cuda --dtype bfloat16 --batch 1 32 --contexts 8192 32768 \
+        --shapes d64-gqa7 d128-gqa4 --out bench/results/attention-cuda.json
+
+On a GPU the baseline is the faster of two SDPA calls over bf16 K/V: `enable_gqa=True`, and the query
+group folded into the query-length axis (exact for one decode token, and served by the flash kernel).
 """
 
 from __future__ import annotations
@@ -18,59 +25,108 @@ import torch
 
 from ..attention import segmented_attention
 from ..cache.layer import KVPackLayer
+from ..primitives.rope import apply_rope, rope_cos_sin
 from ..registry import get_method, list_methods
+from .env import environment
 
-SHAPES = {"d64-gqa3": (3, 9, 64), "d128-gqa7": (2, 14, 128)}  # (kv_heads, q_heads, head_dim)
+SHAPES = {  # (kv_heads, q_heads, head_dim)
+    "d64-gqa3": (3, 9, 64),  # SmolLM2-135M
+    "d64-gqa7": (2, 14, 64),  # Qwen2.5-0.5B
+    "d128-gqa7": (2, 14, 128),
+    "d128-gqa4": (8, 32, 128),  # Llama-3-8B
+}
 
 
 class _Enabled:
     _attn_implementation = "kvpack"
 
 
-def build_layer(method: str, n: int, kv_heads: int, head_dim: int, seed: int = 0) -> KVPackLayer:
-    """A layer holding `n` random tokens, prefilled in one update then one decode token."""
-    gen = torch.Generator().manual_seed(seed)
-    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+def build_layer(method: str, n: int, kv_heads: int, head_dim: int, seed: int = 0, batch: int = 1,
+                device: str = "cpu", dtype: torch.dtype = torch.float32) -> KVPackLayer:
+    """A layer holding `n` random tokens `(batch, kv_heads, n, head_dim)` on `device`, prefilled in one
+    update then one decode token.
+
+    Values are Gaussian. Keys are RoPE'd at their positions from un-RoPEd keys whose spectrum decays over
+    two decades (as real keys' does: Shard's PCA finds a rank below full, so its kernel does the work it
+    does on a model; the other codecs cost the same on any data)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim))
     layer = KVPackLayer(get_method(method), 0, _Enabled(), (inv_freq, 1.0))
-    k = torch.randn(1, kv_heads, n - 1, head_dim, generator=gen)
-    layer.update(k, torch.randn(1, kv_heads, n - 1, head_dim, generator=gen))
+    dim = kv_heads * head_dim
+    basis, _ = torch.linalg.qr(torch.randn(dim, dim, generator=gen, device=device))
+    spectrum = torch.logspace(0.5, -1.5, dim, device=device)
+
+    def keys(t0: int, t: int) -> torch.Tensor:
+        k0 = (torch.randn(batch, t, dim, generator=gen, device=device) * spectrum) @ basis.T
+        k0 = k0.view(batch, t, kv_heads, head_dim).transpose(1, 2)
+        cos, sin = rope_cos_sin(torch.arange(t0, t0 + t, device=device).expand(batch, t), inv_freq)
+        return apply_rope(k0, cos, sin).to(dtype)
+
+    def values(t: int) -> torch.Tensor:
+        return torch.randn(batch, kv_heads, t, head_dim, generator=gen, device=device).to(dtype)
+
+    layer.update(keys(0, n - 1), values(n - 1))
     layer.flush()
-    layer.update(torch.randn(1, kv_heads, 1, head_dim, generator=gen), torch.randn(1, kv_heads, 1, head_dim, generator=gen))
+    layer.update(keys(n - 1, 1), values(1))
     return layer
 
 
-def _time(fn, reps: int) -> list[float]:
-    out = []
-    for _ in range(reps):
+def _timer(device: str):
+    """`fn -> seconds` of one call, to completion on a GPU."""
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+
+    def time_one(fn) -> float:
+        sync()
         t = time.perf_counter()
         fn()
-        out.append(time.perf_counter() - t)
-    return out
+        sync()
+        return time.perf_counter() - t
+
+    return time_one
 
 
-def bench_one(method: str, n: int, shape: str, reps: int = 30) -> dict:
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
+    """`() -> out` calls of SDPA over uncompressed `k, v (b, kv, n, d)` for one decode token `q (b, q_heads, 1, d)`:
+    with `enable_gqa`, and with each kv head's query group as query rows (the same attention for one token)."""
+    b, hq, _, d = q.shape
+    hk = k.shape[1]
+    folded = q.reshape(b, hk, hq // hk, d)
+    return {
+        "gqa": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True),
+        "folded": lambda: torch.nn.functional.scaled_dot_product_attention(folded, k, v, scale=scale),
+    }
+
+
+def bench_one(method: str, n: int, shape: str, reps: int = 30, batch: int = 1, device: str = "cpu",
+              dtype: torch.dtype = torch.float32) -> dict:
     kv_heads, q_heads, d = SHAPES[shape]
-    layer = build_layer(method, n, kv_heads, d)
-    k, v = layer.dequantized()
-    q = torch.randn(1, q_heads, 1, d)
+    layer = build_layer(method, n, kv_heads, d, batch=batch, device=device, dtype=dtype)
+    k, v = (t.to(dtype) for t in layer.dequantized())
+    q = torch.randn(batch, q_heads, 1, d, device=device, dtype=dtype)
     scale = d**-0.5
+    baselines = _sdpa(q, k, v, scale)
 
     def ours():
         return segmented_attention(layer, q, None, scale)
 
-    def sdpa():
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
-
-    ours(), sdpa()  # warm-up
-    t_ours, t_sdpa = [], []
-    for _ in range(reps):  # alternate so drift hits both alike
-        t_ours += _time(ours, 1)
-        t_sdpa += _time(sdpa, 1)
-    mo, ms = statistics.median(t_ours), statistics.median(t_sdpa)
+    err = (ours().float() - baselines["gqa"]().float()).abs().max().item()  # also the warm-up
+    for fn in baselines.values():
+        fn()
+    time_one = _timer(device)
+    times: dict[str, list[float]] = {"ours": [], **{name: [] for name in baselines}}
+    for _ in range(reps):  # alternate so drift hits all alike
+        times["ours"].append(time_one(ours))
+        for name, fn in baselines.items():
+            times[name].append(time_one(fn))
+    med = {name: statistics.median(ts) for name, ts in times.items()}
+    base_name = min(baselines, key=med.get)
     mem = layer.memory()
     return {
-        "method": method, "context": n, "shape": shape, "ours_ms": mo * 1e3, "sdpa_fp32_ms": ms * 1e3,
-        "slowdown_vs_sdpa": mo / ms, "cache_bytes": sum(mem.values()), "fp16_bytes": 2 * kv_heads * n * d * 2,
+        "method": method, "context": n, "shape": shape, "batch": batch, "device": device, "dtype": str(dtype).removeprefix("torch."),
+        "ours_ms": med["ours"] * 1e3, "sdpa_ms": med[base_name] * 1e3, "sdpa_kind": base_name,
+        **{f"sdpa_{name}_ms": med[name] * 1e3 for name in baselines},
+        "slowdown_vs_sdpa": med["ours"] / med[base_name], "speedup_vs_sdpa": med[base_name] / med["ours"],
+        "max_abs_err_vs_dequantized": err, "cache_bytes": sum(mem.values()), "bf16_bytes": 2 * batch * kv_heads * n * d * 2,
     }
 
 
@@ -84,10 +140,10 @@ def plot(rows: list[dict], path: Path) -> None:
     fig, axes = plt.subplots(1, len(shapes), figsize=(6 * len(shapes), 4), squeeze=False)
     for ax, shape in zip(axes[0], shapes, strict=True):
         for method in dict.fromkeys(r["method"] for r in rows):
-            pts = [(r["context"], r["slowdown_vs_sdpa"]) for r in rows if r["shape"] == shape and r["method"] == method]
+            pts = [(r["context"], r["slowdown_vs_sdpa"]) for r in rows if r["shape"] == shape and r["method"] == method and r["batch"] == min(r2["batch"] for r2 in rows)]
             ax.plot(*zip(*pts, strict=True), marker="o", label=method)
         ax.axhline(1.0, color="k", lw=0.8, ls="--")
-        ax.set(xscale="log", yscale="log", xlabel="context (tokens)", ylabel="time / fp32 SDPA", title=f"decode attention, {shape}")
+        ax.set(xscale="log", yscale="log", xlabel="context (tokens)", ylabel="time / SDPA (uncompressed)", title=f"decode attention, {shape}")
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -97,22 +153,40 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192, 32768])
     ap.add_argument("--methods", nargs="+", default=list_methods())
-    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--shapes", nargs="+", default=["d64-gqa3", "d128-gqa7"], choices=list(SHAPES))
+    ap.add_argument("--batch", type=int, nargs="+", default=[1])
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path, default=Path("bench/results/attention.json"))
     args = ap.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda needs a CUDA build of torch and a GPU")
+    for method in args.methods:
+        get_method(method)  # unknown names fail here, before any work
     torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
     rows = []
-    for shape in args.shapes:
-        for n in args.contexts:
-            for method in args.methods:
-                row = bench_one(method, n, shape, args.reps)
-                rows.append(row)
-                print(f"{shape:10s} {n:6d} {method:22s} ours {row['ours_ms']:8.3f} ms  sdpa {row['sdpa_fp32_ms']:7.3f} ms  x{row['slowdown_vs_sdpa']:.2f}", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(rows, indent=1))
-    plot(rows, args.out.with_suffix(".png"))
+    for shape in args.shapes:
+        for batch in args.batch:
+            for n in args.contexts:
+                for method in args.methods:
+                    try:
+                        row = bench_one(method, n, shape, args.reps, batch, args.device, dtype)
+                    except Exception as e:  # one failing cell is recorded, the sweep goes on
+                        row = {"method": method, "context": n, "shape": shape, "batch": batch, "error": f"{type(e).__name__}: {e}"}
+                        print(f"{shape:10s} b{batch:<3d} {n:6d} {method:22s} FAILED {row['error'][:300]}", flush=True)
+                    else:
+                        print(f"{shape:10s} b{batch:<3d} {n:6d} {method:22s} ours {row['ours_ms']:8.3f} ms  sdpa {row['sdpa_ms']:7.3f} ms "
+                              f"({row['sdpa_kind']})  x{row['speedup_vs_sdpa']:.2f}  err {row['max_abs_err_vs_dequantized']:.1e}  "
+                              f"{row['bf16_bytes'] / row['cache_bytes']:.2f}x smaller than bf16", flush=True)
+                    rows.append(row)
+                    if args.device == "cuda":
+                        torch.cuda.empty_cache()
+                    args.out.write_text(json.dumps({"environment": environment("python -m kvpack.bench.attention"), "rows": rows}, indent=1))
+    plot([r for r in rows if "error" not in r], args.out.with_suffix(".png"))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """End-to-end greedy decode speed, every contender side by side in one process.
 
     python -m kvpack.bench.decode --model smollm2-135m --contexts 2048,8192 --methods dynamic,turboquant:k3v2,int8,shard
+    python -m kvpack.bench.decode --device cuda --dtype bfloat16 --model qwen2.5-0.5b --batch 32 --contexts 8192,32768
 
 Protocol (the same for every contender, so machine noise hits them alike):
 1. The prompt is prefilled once into a `DynamicCache` (in chunks, so long contexts fit); each kvpack
@@ -26,6 +27,7 @@ from pathlib import Path
 import torch
 
 from ..eval.generate import forward
+from ..eval.memory import memory_report
 from .env import environment
 
 PROG = "python -m kvpack.bench.decode"
@@ -38,13 +40,13 @@ def _percentile(xs: list[float], q: float) -> float:
 
 @torch.no_grad()
 def prefill_dynamic(model, ids: torch.Tensor, chunk: int = 2048):
-    """(DynamicCache holding `ids`, last logits): the prompt in chunks, exact attention."""
+    """(DynamicCache holding `ids` ([T] or [B, T]), last logits): the prompt in chunks, exact attention."""
     from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config)
     logits = None
-    for i in range(0, len(ids), chunk):
-        logits = forward(model, ids[i : i + chunk], cache)
+    for i in range(0, ids.shape[-1], chunk):
+        logits = forward(model, ids[..., i : i + chunk], cache)
     return cache, logits
 
 
@@ -98,11 +100,12 @@ def run_context(model, ids: torch.Tensor, methods: list[str], steps: int, warmup
     """Rows for one context length: every method decoding `steps` interleaved greedy tokens."""
     start = time.perf_counter()
     source, logits = prefill_dynamic(model, ids)
-    log(f"  prefill {len(ids)} tokens (DynamicCache, chunked) in {time.perf_counter() - start:.1f} s")
+    batch, context = (1, len(ids)) if ids.dim() == 1 else ids.shape
+    log(f"  prefill {batch} x {context} tokens (DynamicCache, chunked) in {time.perf_counter() - start:.1f} s")
     caches, fills, last = {}, {}, {}
     for m in methods:
         caches[m], fills[m] = _new_cache(model, m, source, ids)
-        last[m] = logits[0, -1].argmax().view(1)
+        last[m] = logits[:, -1].argmax(-1, keepdim=True)  # (B, 1): each row's greedy token
     del source
     times: dict[str, list[float]] = {m: [] for m in methods}
     sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)  # GPU steps are timed to completion
@@ -113,7 +116,7 @@ def run_context(model, ids: torch.Tensor, methods: list[str], steps: int, warmup
             out = forward(model, last[m], caches[m])
             sync()
             dt = time.perf_counter() - t0
-            last[m] = out[0, -1].argmax().view(1)
+            last[m] = out[:, -1].argmax(-1, keepdim=True)
             if step >= warmup:
                 times[m].append(dt)
     base = statistics.fmean(times[methods[0]])
@@ -122,12 +125,24 @@ def run_context(model, ids: torch.Tensor, methods: list[str], steps: int, warmup
         ts = times[m]
         mean = statistics.fmean(ts)
         rows.append({
-            "method": m, "context": len(ids), "steps": steps, "mean_ms": 1e3 * mean, "p50_ms": 1e3 * _percentile(ts, 0.5),
-            "p99_ms": 1e3 * _percentile(ts, 0.99), "tok_s": 1.0 / mean, "speed_vs_first": base / mean,
+            "method": m, "context": context, "batch": batch, "steps": steps, "mean_ms": 1e3 * mean, "p50_ms": 1e3 * _percentile(ts, 0.5),
+            "p99_ms": 1e3 * _percentile(ts, 0.99), "tok_s": batch / mean, "speed_vs_first": base / mean, "kv_bytes": memory_report(caches[m], model.config)["total_bytes"],
             "fill_s": fills[m], "fill_includes_forward": m != "dynamic" and needs_queries(m), "step_ms": [round(1e3 * t, 3) for t in ts],
         })
         log(f"  {m:22s} mean {1e3 * mean:7.1f} ms  p50 {rows[-1]['p50_ms']:7.1f}  p99 {rows[-1]['p99_ms']:7.1f}  x{base / mean:.2f} vs {methods[0]}")
     return rows
+
+
+def _prompt_ids(tok, text: str, context: int, batch: int, vocab: int) -> torch.Tensor:
+    """`[context]` prompt tokens, or `[batch, context]`: the text's tokens, each row rotated by its own offset
+    (rows differ, one text suffices); random ids without a tokenizer (random weights)."""
+    from ..text import token_stream
+
+    if tok is None:
+        ids = torch.randint(vocab, (batch, context), generator=torch.Generator().manual_seed(context))
+        return ids[0] if batch == 1 else ids
+    ids = token_stream(tok, text, context)
+    return ids if batch == 1 else torch.stack([ids.roll(-(row * context) // batch) for row in range(batch)])
 
 
 def plot(rows: list[dict], path: str) -> None:
@@ -150,12 +165,15 @@ def plot(rows: list[dict], path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..models import load_model
+    from ..models import load_model, random_weights_model
     from ..registry import get_method
-    from ..text import token_stream
 
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--random-weights", action="store_true",
+                   help="the --model directory's architecture (its config.json) with random weights and random token ids: "
+                        "speed only, where the weights are not at hand; fixed-width codecs cost the same on any weights")
+    p.add_argument("--batch", type=int, default=1, help="sequences decoded together (each row its own greedy tokens)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--contexts", default="2048,8192")
     p.add_argument("--methods", default="dynamic,turboquant:k3v2,int8,shard", help="the first is the reference (dynamic)")
@@ -174,23 +192,26 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--methods must start with 'dynamic' (the reference)")
     for m in methods[1:]:
         get_method(m)  # unknown names fail here, before any model loads
-    if args.threads < 1 or args.steps < 1 or any(c < 128 for c in contexts):
-        p.error("--threads and --steps must be >= 1 and every context >= 128")
+    if args.threads < 1 or args.steps < 1 or args.batch < 1 or any(c < 128 for c in contexts):
+        p.error("--threads, --steps and --batch must be >= 1 and every context >= 128")
     torch.set_num_threads(args.threads)
     if args.device not in ("cpu", "cuda") or (args.device == "cuda" and not torch.cuda.is_available()):
         p.error(f"--device must be cpu or cuda (with a CUDA build of torch and a GPU), got {args.device!r}")
-    model, tok = load_model(args.model, dtype=getattr(torch, args.dtype))
-    model.to(args.device)
+    if args.random_weights:
+        model, tok = random_weights_model(args.model, getattr(torch, args.dtype), args.device), None
+    else:
+        model, tok = load_model(args.model, dtype=getattr(torch, args.dtype))
+        model.to(args.device)
     import kvpack
 
     kvpack.enable(model)
     rows: list[dict] = []
     for ctx in contexts:
         print(f"{args.model}: context {ctx}", flush=True)
-        ids = token_stream(tok, args.text, ctx)
+        ids = _prompt_ids(tok, args.text, ctx, args.batch, model.config.get_text_config(decoder=True).vocab_size)
         rows += run_context(model, ids, methods, args.steps, args.warmup)
-        out = {"environment": environment(PROG), "model": args.model, "dtype": args.dtype, "device": args.device, "conditions": args.conditions,
-               "rows": rows}
+        out = {"environment": environment(PROG), "model": args.model, "random_weights": args.random_weights, "dtype": args.dtype,
+               "device": args.device, "batch": args.batch, "conditions": args.conditions, "rows": rows}
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(out, indent=1))  # saved after every context
     if args.plot:

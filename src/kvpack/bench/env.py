@@ -18,8 +18,9 @@ def _git_sha() -> str:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True, text=True, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return (sha + ("+dirty" if dirty else "")) if sha else "unknown"
+        sha, dirty = "", ""
+    # A copy without .git (e.g. the tree sent to a GPU machine) names its commit in KVPACK_GIT_SHA.
+    return (sha + ("+dirty" if dirty else "")) if sha else os.environ.get("KVPACK_GIT_SHA", "unknown")
 
 
 def _cpu_model() -> str:
@@ -47,6 +48,7 @@ def environment(prog: str | None = None, argv: list[str] | None = None) -> dict:
         "kvpack": _version("kvpack"),
         "torch": torch.__version__,
         "transformers": _version("transformers"),
+        "triton": _version("triton"),
         "python": platform.python_version(),
         "cpu": _cpu_model(),
         "cpu_count": os.cpu_count(),

@@ -21,8 +21,8 @@ def cache_kwargs(model, cache) -> dict:
 
 @torch.no_grad()
 def forward(model, ids: torch.Tensor, cache, last_only: bool = True) -> torch.Tensor:
-    """Append `ids` ([T] or [1, T]) to `cache`; returns the logits [1, T or 1, vocab] (last position only by default)."""
-    ids = ids.view(1, -1).to(model.device)
+    """Append `ids` ([T] or [B, T]) to `cache`; returns the logits [B, T or 1, vocab] (last position only by default)."""
+    ids = (ids.view(1, -1) if ids.dim() < 2 else ids).to(model.device)
     kwargs = {"logits_to_keep": 1} if last_only else {}
     return model(input_ids=ids, use_cache=True, **cache_kwargs(model, cache), **kwargs).logits
 

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# kvpack's GPU checks in one pass (docs/gpu.md): the Triton kernel tests compiled for the GPU, decode attention
+# against SDPA over bf16 K/V, and end-to-end greedy decode against DynamicCache at batch 1 and 32.
+#
+#   bash scripts/gpu_check.sh [MODEL]    # MODEL: a registry name (default qwen2.5-0.5b) or a model directory
+#
+# Results go to $OUT (default bench/results/gpu): run.log, attention-cuda.{json,png}, attention-cuda-shard.{json,png},
+# decode-cuda-b{1,32}.json. RANDOM_WEIGHTS=1 builds MODEL (then a directory holding its config.json) with random
+# weights: decode speed only, for a machine without the weights (fixed-width codecs cost the same on any weights).
+# Each stage has its own time limit (T_TESTS, T_ATTN, T_DECODE seconds); a failing stage does not stop the rest.
+set -u
+OUT=${OUT:-bench/results/gpu}
+MODEL=${1:-qwen2.5-0.5b}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 KVPACK_KERNELS=torch  # the CPU kernels (C++) never run here: no build
+unset TRITON_INTERPRET
+log() { echo "== $(date +%T) $*" | tee -a "$OUT/run.log"; }
+stage() { local limit=$1; shift; log "$*"; timeout "$limit" "$@" 2>&1 | tee -a "$OUT/run.log"; log "exit ${PIPESTATUS[0]}"; }
+
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv 2>&1 | tee -a "$OUT/run.log"
+python3 -c "import sys, torch, triton, transformers; print(sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name(0))" 2>&1 | tee -a "$OUT/run.log"
+
+stage "${T_TESTS:-140}" env KVPACK_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider -rs --tb=short tests/test_triton_kernels.py tests/test_triton_shard.py
+
+attn=(python3 -m kvpack.bench.attention --device cuda --dtype bfloat16 --contexts 8192 32768 --shapes d64-gqa7 d128-gqa4 --reps 20)
+stage "${T_ATTN:-90}" "${attn[@]}" --batch 1 32 --methods turboquant:k3v2 int8 --out "$OUT/attention-cuda.json"
+stage "${T_ATTN_SHARD:-70}" "${attn[@]}" --batch 1 --methods shard --out "$OUT/attention-cuda-shard.json"  # its PCA / k-means fit runs on the CPU
+
+weights=()
+[ "${RANDOM_WEIGHTS:-0}" = 1 ] && weights=(--random-weights)
+for batch in 1 32; do
+    stage "${T_DECODE:-120}" python3 -m kvpack.bench.decode --device cuda --dtype bfloat16 --model "$MODEL" "${weights[@]}" \
+        --batch "$batch" --contexts 8192,32768 --methods dynamic,turboquant:k3v2,int8 --steps 128 --warmup 4 \
+        --json "$OUT/decode-cuda-b$batch.json"
+done
+log done
