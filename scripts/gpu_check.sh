@@ -7,7 +7,8 @@
 # Results go to $OUT (default bench/results/gpu): run.log, attention-cuda.{json,png}, attention-cuda-shard.{json,png},
 # decode-cuda-b{1,32}.json. RANDOM_WEIGHTS=1 builds MODEL (then a directory holding its config.json) with random
 # weights: decode speed only, for a machine without the weights (fixed-width codecs cost the same on any weights).
-# Each stage has its own time limit (T_TESTS, T_ATTN, T_DECODE seconds); a failing stage does not stop the rest.
+# STAGES picks stages (default "tests attention profile decode"); each has its own time limit (T_TESTS, T_ATTN,
+# T_ATTN_SHARD, T_PROFILE, T_DECODE seconds); a failing stage does not stop the rest. profile.json: scripts/gpu_profile.py.
 set -u
 OUT=${OUT:-bench/results/gpu}
 MODEL=${1:-qwen2.5-0.5b}
@@ -20,15 +21,22 @@ stage() { local limit=$1; shift; log "$*"; timeout "$limit" "$@" 2>&1 | tee -a "
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv 2>&1 | tee -a "$OUT/run.log"
 python3 -c "import sys, torch, triton, transformers; print(sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name(0))" 2>&1 | tee -a "$OUT/run.log"
 
-stage "${T_TESTS:-140}" env KVPACK_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider -rs --tb=short tests/test_triton_kernels.py tests/test_triton_shard.py
+STAGES=" ${STAGES:-tests attention profile decode} "
+want() { [[ "$STAGES" == *" $1 "* ]]; }
+
+want tests && stage "${T_TESTS:-140}" env KVPACK_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider -rs --tb=short tests/test_triton_kernels.py tests/test_triton_shard.py
 
 attn=(python3 -m kvpack.bench.attention --device cuda --dtype bfloat16 --contexts 8192 32768 --shapes d64-gqa7 d128-gqa4 --reps 20)
-stage "${T_ATTN:-90}" "${attn[@]}" --batch 1 32 --methods turboquant:k3v2 int8 --out "$OUT/attention-cuda.json"
-stage "${T_ATTN_SHARD:-70}" "${attn[@]}" --batch 1 --methods shard --out "$OUT/attention-cuda-shard.json"  # its PCA / k-means fit runs on the CPU
+want attention && stage "${T_ATTN:-90}" "${attn[@]}" --batch 1 32 --methods turboquant:k3v2 int8 --out "$OUT/attention-cuda.json"
+want attention && stage "${T_ATTN_SHARD:-70}" "${attn[@]}" --batch 1 --methods shard --out "$OUT/attention-cuda-shard.json"  # its PCA / k-means fit runs on the CPU
+
+config=$MODEL
+[ "${RANDOM_WEIGHTS:-0}" = 1 ] || config=$(python3 -c "from kvpack.models import MODELS, gguf_path, _converted_dir; import sys; m = sys.argv[1]; print(_converted_dir(MODELS[m].name, gguf_path(MODELS[m])) if m in MODELS else m)" "$MODEL")
+want profile && stage "${T_PROFILE:-90}" python3 scripts/gpu_profile.py --config-dir "$config" --out "$OUT/profile.json"
 
 weights=()
 [ "${RANDOM_WEIGHTS:-0}" = 1 ] && weights=(--random-weights)
-for batch in 1 32; do
+want decode && for batch in 1 32; do
     stage "${T_DECODE:-120}" python3 -m kvpack.bench.decode --device cuda --dtype bfloat16 --model "$MODEL" "${weights[@]}" \
         --batch "$batch" --contexts 8192,32768 --methods dynamic,turboquant:k3v2,int8 --steps 128 --warmup 4 \
         --json "$OUT/decode-cuda-b$batch.json"

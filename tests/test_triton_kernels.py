@@ -187,3 +187,33 @@ def test_kivi_encode(d, bits, axis, group):
     got = on_device(run_triton, "kivi_encode", x, bits, group, axis)
     for name, g, want in zip(("codes", "scale", "zero"), got, reference.kivi_encode(x, bits, group, axis), strict=True):
         assert g.dtype == want.dtype and torch.equal(g, want), f"{name}: {int((g != want).sum())} entries differ"
+
+
+def test_a_launch_short_of_shared_memory_retries_with_half_the_token_tile(monkeypatch):
+    """On a GPU a tile can need more shared memory than the chip has (found on an H200: 288 KB for 63 rows
+    at d = 128); the launch halves BLOCK_T with no pipelining until it fits, and the shape keeps that."""
+    from triton.runtime.errors import OutOfResources
+
+    class Kernel:  # stands in for a jit function: kernel[grid](*args, **meta), short of memory above `fits`
+        def __init__(self, fits: int):
+            self.fits, self.launches = fits, []
+
+        def __getitem__(self, grid):
+            def run(*args, **meta):
+                self.launches.append((meta["BLOCK_T"], meta.get("num_stages")))
+                if meta["BLOCK_T"] > self.fits:
+                    raise OutOfResources(294912, 232448, "shared memory")
+            return run
+
+    monkeypatch.setattr(triton_attention, "_SHRUNK", {})
+    plan = triton_attention._Plan(torch.zeros(1, 2, 63, 128), 500, 128, 128, num_splits=2)
+    assert plan.block_t == 64 and plan.split_len % 16 == 0
+    kernel = Kernel(fits=16)
+    plan.launch(kernel, "args", D=128)
+    assert kernel.launches == [(64, None), (32, 1), (16, 1)]
+    plan.launch(kernel, "args", D=128)  # the same shape starts from what fit
+    assert kernel.launches[3:] == [(16, 1)]
+    never = Kernel(fits=0)
+    with pytest.raises(OutOfResources):  # nothing smaller than 16 tokens: the error stands
+        plan.launch(never, "args", D=128)
+    assert never.launches == [(64, None), (32, 1), (16, 1)]

@@ -1,6 +1,8 @@
 """Decode-step attention speed: each method's compressed-domain attention vs SDPA over uncompressed K/V.
 
-One query token per batch row attends to a cache of N tokens. Method and baseline are timed alternately
+One query token per batch row attends to a cache of N tokens, through the function a model's decode step
+calls (`fused_decode`: one fused kernel per part, Triton on a GPU; `segmented_attention` where a step does
+not qualify). Method and baseline are timed alternately
 in the same loop (machines are noisy), each call to completion (`torch.cuda.synchronize` on a GPU), and
 the ratio of medians is reported, with the error of the method's output against SDPA over its own
 dequantized cache (the check that the compressed-domain path computes the attention it stands for).
@@ -23,8 +25,8 @@ from pathlib import Path
 
 import torch
 
-from ..attention import segmented_attention
-from ..cache.layer import KVPackLayer
+from ..attention import fused_decode, segmented_attention
+from ..cache.layer import PENDING, KVPackLayer
 from ..primitives.rope import apply_rope, rope_cos_sin
 from ..registry import get_method, list_methods
 from .env import environment
@@ -68,6 +70,7 @@ def build_layer(method: str, n: int, kv_heads: int, head_dim: int, seed: int = 0
     layer.update(keys(0, n - 1), values(n - 1))
     layer.flush()
     layer.update(keys(n - 1, 1), values(1))
+    PENDING.layer = None  # no model attention follows this update: a model run later must not see it as pending
     return layer
 
 
@@ -106,8 +109,9 @@ def bench_one(method: str, n: int, shape: str, reps: int = 30, batch: int = 1, d
     scale = d**-0.5
     baselines = _sdpa(q, k, v, scale)
 
-    def ours():
-        return segmented_attention(layer, q, None, scale)
+    def ours():  # the model's decode step: one fused kernel per part where the step qualifies (kvpack_attention_forward)
+        out = fused_decode(layer, q, scale)
+        return segmented_attention(layer, q, None, scale) if out is None else out
 
     err = (ours().float() - baselines["gqa"]().float()).abs().max().item()  # also the warm-up
     for fn in baselines.values():
@@ -123,6 +127,7 @@ def bench_one(method: str, n: int, shape: str, reps: int = 30, batch: int = 1, d
     mem = layer.memory()
     return {
         "method": method, "context": n, "shape": shape, "batch": batch, "device": device, "dtype": str(dtype).removeprefix("torch."),
+        "path": "segmented" if fused_decode(layer, q, scale) is None else "fused",
         "ours_ms": med["ours"] * 1e3, "sdpa_ms": med[base_name] * 1e3, "sdpa_kind": base_name,
         **{f"sdpa_{name}_ms": med[name] * 1e3 for name in baselines},
         "slowdown_vs_sdpa": med["ours"] / med[base_name], "speedup_vs_sdpa": med[base_name] / med["ours"],

@@ -20,6 +20,7 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from .reference import check_int8_attention, check_kivi_attention, check_tq_attention
 
@@ -294,6 +295,9 @@ def _float32_buffers(rows: int, dv: int, device: torch.device) -> tuple[torch.Te
             torch.empty(rows * dv, dtype=torch.float32, device=device))
 
 
+_SHRUNK: dict[tuple, tuple[int, int]] = {}  # (kernel, tile sizes) -> (BLOCK_T, num_stages) that fit in shared memory
+
+
 class _Plan:
     """Grid and block sizes of one attention call."""
 
@@ -321,6 +325,24 @@ class _Plan:
     @property
     def grid(self) -> tuple[int, int, int]:
         return (self.b * self.h, self.row_blocks, self.splits)
+
+    def launch(self, kernel, *args, **constexprs) -> None:
+        """`kernel[grid](*args, BLOCK_T=..., num_warps=..., **constexprs)`. A launch that needs more shared memory
+        than the GPU has (tl.dot operands of a 64-row x 128-dim tile with the loop software-pipelined: 288 KB
+        asked of an H200's 227 KB) retries with half the token tile and no pipelining, and the shape keeps that
+        choice. Splits stay whole tiles: split_len is a multiple of any smaller power-of-two tile."""
+        key = (id(kernel), self.block_r, self.block_d, self.block_dv, self.block_t)
+        block_t, stages = _SHRUNK.get(key, (self.block_t, None))
+        while True:
+            try:
+                kernel[self.grid](*args, BLOCK_T=block_t, num_warps=self.num_warps, **({} if stages is None else {"num_stages": stages}),
+                                  **constexprs)
+                return
+            except OutOfResources:
+                if block_t <= 16:
+                    raise
+                block_t, stages = block_t // 2, 1
+                _SHRUNK[key] = (block_t, stages)
 
     def buffers(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Split partials (B·H, S, R[, DV]); with one split, the outputs themselves."""
@@ -377,15 +399,16 @@ def tq_attention(
     plan = _Plan(q, t, q.shape[-1], d, num_splits)
     m, denom, o = plan.buffers(q.device)
     off = (q, 0, 0, 0) if row_offset is None else (row_offset, *_strides(row_offset))
-    _tq_attention_kernel[plan.grid](
+    plan.launch(
+        _tq_attention_kernel,
         q, *_strides(q), kc, *_strides(kc), kn, *_strides(kn), k_centroids.contiguous(),
         vc, *_strides(vc), vn, *_strides(vn), v_centroids.contiguous(),
         *off, *_bias_args(bias, q), m, denom, o,
         plan.h, plan.r, t, plan.split_len, float(scale), float(softcap),
         D=q.shape[-1], DV=d, KBITS=k_bits, VBITS=v_bits, KBYTES=kc.shape[-1], VBYTES=vc.shape[-1],
-        BLOCK_R=plan.block_r, BLOCK_T=plan.block_t, BLOCK_D=plan.block_d, BLOCK_DV=plan.block_dv,
+        BLOCK_R=plan.block_r, BLOCK_D=plan.block_d, BLOCK_DV=plan.block_dv,
         HAS_OFFSET=row_offset is not None, HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap > 0,
-        FINAL=plan.splits == 1, PRECISION=plan.precision, num_warps=plan.num_warps,
+        FINAL=plan.splits == 1, PRECISION=plan.precision,
     )
     return plan.finish(m, denom, o)
 
@@ -411,14 +434,14 @@ def int8_attention(
     q, kc, ks, vc, vs = (_rows_last(x) for x in (q, k_codes, k_scale, v_codes, v_scale))
     plan = _Plan(q, t, q.shape[-1], dv, num_splits)
     m, denom, o = plan.buffers(q.device)
-    _int8_attention_kernel[plan.grid](
+    plan.launch(
+        _int8_attention_kernel,
         q, *_strides(q), kc, *_strides(kc), ks, *_strides(ks), vc, *_strides(vc), vs, *_strides(vs),
         *_bias_args(bias, q), m, denom, o,
         plan.h, plan.r, t, plan.split_len, float(scale), float(softcap),
         D=q.shape[-1], DV=dv,
-        BLOCK_R=plan.block_r, BLOCK_T=plan.block_t, BLOCK_D=plan.block_d, BLOCK_DV=plan.block_dv,
+        BLOCK_R=plan.block_r, BLOCK_D=plan.block_d, BLOCK_DV=plan.block_dv,
         HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap > 0, FINAL=plan.splits == 1, PRECISION=plan.precision,
-        num_warps=plan.num_warps,
     )
     return plan.finish(m, denom, o)
 
@@ -452,14 +475,14 @@ def kivi_attention(
     vs, vz = _same_strides(v_scale, v_zero)
     plan = _Plan(q, t, q.shape[-1], dv, num_splits)
     m, denom, o = plan.buffers(q.device)
-    _kivi_attention_kernel[plan.grid](
+    plan.launch(
+        _kivi_attention_kernel,
         q, *_strides(q), kc, *_strides(kc), ks, kz, *_strides(ks), vc, *_strides(vc), vs, vz, *_strides(vs),
         *_bias_args(bias, q), m, denom, o,
         plan.h, plan.r, t, plan.split_len, float(scale), float(softcap),
         D=q.shape[-1], DV=dv, KBITS=k_bits, VBITS=v_bits, KBYTES=kc.shape[-1], VBYTES=vc.shape[-1],
         KGROUP=k_group, KPER=ks.shape[-1], VGROUP=v_group,
-        BLOCK_R=plan.block_r, BLOCK_T=plan.block_t, BLOCK_D=plan.block_d, BLOCK_DV=plan.block_dv,
+        BLOCK_R=plan.block_r, BLOCK_D=plan.block_d, BLOCK_DV=plan.block_dv,
         HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap > 0, FINAL=plan.splits == 1, PRECISION=plan.precision,
-        num_warps=plan.num_warps,
     )
     return plan.finish(m, denom, o)

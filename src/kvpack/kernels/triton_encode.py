@@ -60,9 +60,9 @@ def _tq_encode_kernel(
     # IEEE division (not the GPU's approximate one) so the direction matches torch's to the last bit.
     y = tl.div_rn(x, tl.maximum(norm, tiny)[:, None]) * tl.load(signs_ptr + h * D + cols)[None, :]
     # Butterflies of fwht: stage `half` pairs element j with j + half inside blocks of 2·half.
+    # (A constexpr cannot be reassigned in a compiled loop, so `half` = 1 << stage is written out.)
     for stage in tl.static_range(LOG2_D):
-        half: tl.constexpr = 1 << stage
-        pairs = tl.permute(tl.reshape(y, (BLOCK_T, D // (2 * half), 2, half)), (0, 1, 3, 2))
+        pairs = tl.permute(tl.reshape(y, (BLOCK_T, D >> (stage + 1), 2, 1 << stage)), (0, 1, 3, 2))
         lo, hi = tl.split(pairs)
         y = tl.reshape(tl.permute(tl.join(lo + hi, lo - hi), (0, 1, 3, 2)), (BLOCK_T, D))
     y = tl.div_rn(y, tl.zeros_like(y) + sqrt_d)

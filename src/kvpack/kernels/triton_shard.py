@@ -169,7 +169,8 @@ def pca_vq_attention(
     vn = q if v_norm is None else _rows_last(v_norm)
     plan = _Plan(q, t, d, d, num_splits)
     m, denom, o = plan.buffers(q.device)
-    _pca_vq_attention_kernel[plan.grid](
+    plan.launch(
+        _pca_vq_attention_kernel,
         q, *_strides(q), pos0.contiguous(), inv_freq.contiguous(), float(rope_scale),
         kc, *_strides(kc), bitpos.contiguous(), bits.contiguous(), qmax.contiguous(), basis_t.contiguous(), mean.contiguous(),
         vi, *_strides(vi), vn, *((0, 0, 0) if v_norm is None else _strides(vn)), books.contiguous(),
@@ -177,9 +178,9 @@ def pca_vq_attention(
         *_bias_args(bias, q), m, denom, o,
         plan.h, plan.r, t, plan.split_len, float(scale), float(softcap),
         D=d, PER=kv // groups, RANK=rank, KBYTES=kc.shape[-1], VBITS=v_bits, VBYTES=vi.shape[-1], GSIZE=books.shape[2],
-        BLOCK_R=plan.block_r, BLOCK_T=plan.block_t, BLOCK_K=16 if rank <= 16 else 32,
+        BLOCK_R=plan.block_r, BLOCK_K=16 if rank <= 16 else 32,
         BLOCK_HALF=max(16, triton.next_power_of_2(d // 2)), BLOCK_DV=plan.block_dv,
         HAS_NORM=v_norm is not None, HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap > 0, FINAL=plan.splits == 1,
-        PRECISION=plan.precision, num_warps=plan.num_warps,
+        PRECISION=plan.precision,
     )
     return plan.finish(m, denom, o)
