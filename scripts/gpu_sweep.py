@@ -1,0 +1,109 @@
+"""Kernel-only times of the Triton decode-attention kernels under other tile sizes, warps and dot precisions,
+against SDPA over bf16 K/V at the same shape (docs/gpu.md): which knob a GPU's time follows.
+
+    python scripts/gpu_sweep.py --out bench/results/gpu/sweep.json
+
+Times are `triton.testing.do_bench` medians (CUDA events, many calls) of one kernel call on random codes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import triton
+
+from kvpack.bench.env import environment
+from kvpack.kernels import triton_attention
+from kvpack.primitives.lloyd_max import lloyd_max_codebook
+
+VARIANTS = {  # name: _Plan attributes replaced
+    "base": {},
+    "tf32": {"precision": "tf32"},
+    "ieee": {"precision": "ieee"},
+    "t32": {"block_t": 32},
+    "t128": {"block_t": 128},
+    "w2": {"num_warps": 2},
+    "w8": {"num_warps": 8},
+    "tf32-t128-w8": {"precision": "tf32", "block_t": 128, "num_warps": 8},
+}
+SHAPES = {"b32-kv8-g4-d128": (32, 8, 4, 128), "b1-kv2-g7-d64": (1, 2, 7, 64)}  # batch, kv heads, query rows per kv head, head_dim
+
+
+def _patched_plan(overrides: dict):
+    """A `_Plan.__init__` that applies `overrides`, re-deriving the split length for another token tile."""
+    original = triton_attention._Plan.__init__
+
+    def init(self, q, t, d, dv, num_splits):
+        original(self, q, t, d, dv, num_splits)
+        for name, value in overrides.items():
+            setattr(self, name, value)
+        if "block_t" in overrides:
+            tiles = triton.cdiv(t, self.block_t)
+            split_tiles = triton.cdiv(tiles, max(1, min(self.splits, tiles)))
+            self.split_len = split_tiles * self.block_t
+            self.splits = triton.cdiv(t, self.split_len)
+
+    return original, init
+
+
+def inputs(shape: str, t: int, device: str) -> dict:
+    b, kv, rows, d = SHAPES[shape]
+    g = torch.Generator(device=device).manual_seed(0)
+    u8 = lambda last: torch.randint(0, 256, (b, kv, t, last), generator=g, device=device, dtype=torch.uint8)  # noqa: E731
+    f16 = lambda: (torch.rand(b, kv, t, 1, generator=g, device=device) + 0.5).half()  # noqa: E731
+    tq = dict(q_rot=torch.randn(b, kv, rows, d, generator=g, device=device), k_codes=u8(d * 3 // 8), k_norm=f16(),
+              k_centroids=lloyd_max_codebook(d, 3, "gaussian").centroids.to(device), k_bits=3, v_codes=u8(d * 2 // 8), v_norm=f16(),
+              v_centroids=lloyd_max_codebook(d, 2, "gaussian").centroids.to(device), v_bits=2, d=d, scale=d**-0.5)
+    i8 = dict(q=tq["q_rot"], k_codes=u8(d).view(torch.int8), k_scale=f16(), v_codes=u8(d).view(torch.int8), v_scale=f16(), scale=d**-0.5)
+    q = torch.randn(b, kv * rows, 1, d, generator=g, device=device, dtype=torch.bfloat16)
+    k = torch.randn(b, kv, t, d, generator=g, device=device, dtype=torch.bfloat16)
+    return {"tq": tq, "int8": i8, "sdpa": (q, k, k.clone())}
+
+
+def bench(fn, device: str) -> float:
+    if device == "cuda":
+        return triton.testing.do_bench(fn, warmup=10, rep=60)
+    fn()
+    return float("nan")  # --device cpu: a dry run under the interpreter
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--context", type=int, default=32768)
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    args = ap.parse_args()
+    rows = []
+    for shape in SHAPES:
+        data = inputs(shape, args.context, args.device)
+        q, k, v = data["sdpa"]
+        hk = k.shape[1]
+        folded = q.reshape(q.shape[0], hk, -1, q.shape[-1])
+        sdpa = bench(lambda q=folded, k=k, v=v: torch.nn.functional.scaled_dot_product_attention(q, k, v), args.device)
+        rows.append({"shape": shape, "kernel": "sdpa-bf16", "variant": "folded", "ms": sdpa})
+        print(f"{shape:18s} sdpa-bf16 {sdpa:8.4f} ms", flush=True)
+        for kernel, fn in (("tq", triton_attention.tq_attention), ("int8", triton_attention.int8_attention)):
+            _, denom, o = fn(**data[kernel])
+            base = o / denom  # each variant's output against the shipped configuration's
+            for variant, overrides in VARIANTS.items():
+                original, init = _patched_plan(overrides)
+                triton_attention._Plan.__init__ = init
+                try:
+                    _, denom, o = fn(**data[kernel])
+                    err = (o / denom - base).abs().max().item()
+                    ms = bench(lambda fn=fn, kw=data[kernel]: fn(**kw), args.device)
+                    row = {"shape": shape, "kernel": kernel, "variant": variant, "ms": ms, "vs_sdpa": sdpa / ms, "max_diff_vs_base": err}
+                except Exception as e:  # a variant that does not fit (shared memory, registers) is recorded
+                    row = {"shape": shape, "kernel": kernel, "variant": variant, "error": f"{type(e).__name__}: {str(e)[:200]}"}
+                finally:
+                    triton_attention._Plan.__init__ = original
+                rows.append(row)
+                print(f"{shape:18s} {kernel:5s} {variant:14s} " + (f"{row['ms']:8.4f} ms  x{row['vs_sdpa']:.2f} vs sdpa  diff {row['max_diff_vs_base']:.1e}" if "ms" in row else row["error"]), flush=True)
+        with open(args.out, "w") as f:
+            json.dump({"environment": environment("python scripts/gpu_sweep.py"), "context": args.context, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
