@@ -13,14 +13,16 @@ import torch
 
 
 def _git_sha() -> str:
+    # A copy of the tree run elsewhere (a GPU machine) names its commit: its own .git, if any, may be stale.
+    if os.environ.get("KVPACK_GIT_SHA"):
+        return os.environ["KVPACK_GIT_SHA"]
     root = Path(__file__).resolve().parents[3]
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True, text=True, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
-        sha, dirty = "", ""
-    # A copy without .git (e.g. the tree sent to a GPU machine) names its commit in KVPACK_GIT_SHA.
-    return (sha + ("+dirty" if dirty else "")) if sha else os.environ.get("KVPACK_GIT_SHA", "unknown")
+        return "unknown"
+    return (sha + ("+dirty" if dirty else "")) if sha else "unknown"
 
 
 def _cpu_model() -> str:
