@@ -256,3 +256,16 @@ def test_pca_rank_from_queries_keeps_what_key_energy_drops():
     assert by_energy.rank_source == "energy" and by_queries.rank_source == "queries"
     err = {c.rank_source: _centered_score_error(queries, keys, c.decode(c.encode(keys, positions), positions)) for c in (by_energy, by_queries)}
     assert err["energy"] > 0.3 and err["queries"] < 0.05, err
+
+
+def test_shard_value_codebook_sizes():
+    """`shard:vqN` sets the value codebook's entries (log2 N bits per group of 4 channels); the stream codec
+    still combines with it, in either order, under one canonical name."""
+    from kvpack.registry import get_method
+
+    for name, canonical, size, stream in [("shard", "shard", 256, "int8"), ("shard:vq64", "shard:vq64", 64, "int8"),
+                                          ("shard:vq64+tq4", "shard:tq4+vq64", 64, "turboquant"), ("shard:vq256", "shard", 256, "int8")]:
+        config = get_method(name)
+        assert config.name == canonical and config.key.codec == stream
+        codec = config.prefill_value.build(64, 2)
+        assert codec.config.codebook_size == size and codec.bits == (size - 1).bit_length()

@@ -50,6 +50,8 @@ def llama():
         ("kivi:3", r"kivi takes 2 or 4 bits \(kivi:2, kivi:4\), got '3'"),
         ("turboquant:k5v2", r"turboquant takes 'kXvY'"),
         ("shard:zip", r"shard takes a decode-stream codec in \['fp16', 'int8', 'tq4'\]"),
+        ("shard:vq100", r"shard's value codebook vqN takes N in \(16, 32, 64, 128, 256\), got 'vq100'"),
+        ("shard:vq64+vq32", r"shard takes a decode-stream codec .* and/or a value codebook vqN"),
     ],
 )
 def test_bad_method_names_fail_at_construction(llama, name, match):

@@ -401,16 +401,33 @@ def _kivi(arg: str) -> MethodConfig:
     return MethodConfig(f"kivi:{bits}", CodecSpec("kivi", {"bits": bits, "axis": "channel"}), CodecSpec("kivi", {"bits": bits, "axis": "token"}))
 
 
+SHARD_CODEBOOKS = (16, 32, 64, 128, 256)  # `shard:vqN`: entries of the value codebook (log2 N bits per 4 channels)
+
+
 @method("shard")
 def _shard(arg: str) -> MethodConfig:
+    """`shard[:STREAM][+vqN]`: STREAM the decode-stream codec (int8 by default), N the value codebook's entries
+    (256 by default: 2 bits per value; `vq64`, 1.5 bits, takes Shard past 10x at 8K, docs/shard.md)."""
     stream = {"": CodecSpec("int8"), "int8": CodecSpec("int8"), "tq4": CodecSpec("turboquant", {"bits": 4}), "fp16": CodecSpec("fp16")}
-    if arg not in stream:
-        raise ValueError(f"shard takes a decode-stream codec in {sorted(k for k in stream if k)} (e.g. shard:tq4), got {arg!r}")
-    s = stream[arg]
+    parts = [p for p in arg.split("+") if p] if arg else []
+    books = [p for p in parts if p.startswith("vq")]
+    streams = [p for p in parts if not p.startswith("vq")]
+    if len(books) > 1 or len(streams) > 1 or any(p not in stream for p in streams):
+        raise ValueError(f"shard takes a decode-stream codec in {sorted(k for k in stream if k)} and/or a value codebook "
+                         f"vqN, N in {SHARD_CODEBOOKS} (e.g. shard:tq4, shard:vq64, shard:tq4+vq64), got {arg!r}")
+    options = {"token_norm": True}
+    if books:
+        size = books[0][2:]
+        if not size.isdigit() or int(size) not in SHARD_CODEBOOKS:
+            raise ValueError(f"shard's value codebook vqN takes N in {SHARD_CODEBOOKS}, got {books[0]!r}")
+        if int(size) != 256:
+            options["codebook_size"] = int(size)
+    s = stream[streams[0] if streams else ""]
     # Per-token RMS on values (2 B per token and head): at an 8K prefix on SmolLM2 the blog's VQ alone
     # cost +3.0% perplexity (values only lossy), with the RMS -0.1%.
-    value = CodecSpec("vq", {"token_norm": True})
-    return MethodConfig("shard" + (f":{arg}" if arg else ""), s, s, prefill_key=CodecSpec("pca"), prefill_value=value)
+    value = CodecSpec("vq", options)
+    tokens = [t for t in (streams[0] if streams and streams[0] else "", f"vq{options['codebook_size']}" if "codebook_size" in options else "") if t]
+    return MethodConfig("shard" + (":" + "+".join(tokens) if tokens else ""), s, s, prefill_key=CodecSpec("pca"), prefill_value=value)
 
 
 @method("kvquant", "4", "3", "2")
