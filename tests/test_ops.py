@@ -293,39 +293,64 @@ def test_backend_choice_is_validated(fresh_dispatch):
 
 
 def test_cpu_dispatch_prefers_the_cpp_kernel(fresh_dispatch):
+    """kivi_attention has no C++ kernel: a launcher of that name with the op's parameters would be taken."""
     cpu = torch.device("cpu")
-    fresh_dispatch.delattr(cpu_lut, "tq_attention", raising=False)
-    assert ops.implementation("tq_attention", cpu) is reference.tq_attention  # no C++ kernel
-    fake_kernel = functools.wraps(reference.tq_attention)(lambda *args: None)  # the op's parameters
-    fresh_dispatch.setattr(cpu_lut, "tq_attention", fake_kernel, raising=False)
+    fresh_dispatch.delattr(cpu_lut, "kivi_attention", raising=False)
+    assert ops.implementation("kivi_attention", cpu) is reference.kivi_attention  # no C++ kernel
+    fake_kernel = functools.wraps(reference.kivi_attention)(lambda *args: None)  # the op's parameters
+    fresh_dispatch.setattr(cpu_lut, "kivi_attention", fake_kernel, raising=False)
     fresh_dispatch.setattr(cpu_lut, "available", lambda: True)
-    assert ops.implementation("tq_attention", cpu) is fake_kernel
+    assert ops.implementation("kivi_attention", cpu) is fake_kernel
     ops.set_backend("torch")
-    assert ops.implementation("tq_attention", cpu) is reference.tq_attention
+    assert ops.implementation("kivi_attention", cpu) is reference.kivi_attention
     fresh_dispatch.setattr(cpu_lut, "available", lambda: False)  # a failed build: the reference, silently under auto
     ops.set_backend("auto")
-    assert ops.implementation("tq_attention", cpu) is reference.tq_attention
+    assert ops.implementation("kivi_attention", cpu) is reference.kivi_attention
 
 
 def test_cpu_kernel_with_other_parameters_is_not_called(fresh_dispatch):
-    def other_order(q_rot, row_offset, k_codes, k_norm, k_cent, k_bits, v_codes, v_norm, v_cent, v_bits, scale):
+    def other_order(q, k_codes, k_scale, k_zero, k_group, k_bits, v_codes, v_scale, v_zero, v_bits, v_group, scale):
         raise AssertionError("called with the op's arguments in the wrong places")
 
-    fresh_dispatch.setattr(cpu_lut, "tq_attention", other_order, raising=False)
+    fresh_dispatch.setattr(cpu_lut, "kivi_attention", other_order, raising=False)
     fresh_dispatch.setattr(cpu_lut, "available", lambda: True)
-    with pytest.warns(RuntimeWarning, match=r"cpu_lut.tq_attention\(.*\) does not take the op's arguments"):
-        assert ops.implementation("tq_attention", torch.device("cpu")) is reference.tq_attention
+    with pytest.warns(RuntimeWarning, match=r"cpu_lut.kivi_attention\(.*\) does not take the op's arguments"):
+        assert ops.implementation("kivi_attention", torch.device("cpu")) is reference.kivi_attention
+
+
+@pytest.mark.parametrize("op", ["tq_attention", "int8_attention"])
+def test_cpu_ops_run_the_cpp_kernels(op):
+    """On CPU the op runs its C++ kernel through an adapter (the launchers take other arguments), which agrees
+    with the reference; masked or softcapped calls, which the kernel cannot take, are the reference's exactly."""
+    if not cpu_lut.available():
+        pytest.skip("the C++ kernels did not build")
+    x = tq_inputs(64, 4, 3, 2) if op == "tq_attention" else int8_inputs(64, 4)
+    fn, ref = getattr(ops, op), getattr(reference, op)
+    assert ops.implementation(op, torch.device("cpu")) is ops._CPU_ADAPTERS[op]
+    if op == "tq_attention":
+        x["row_offset"] = torch.randn(B, H, 4, 1)
+        kernel = cpu_lut.tq_attention(x["q_rot"], x["row_offset"], x["k_codes"], x["k_norm"], x["k_centroids"], 3, x["v_codes"],
+                                      x["v_norm"], x["v_centroids"], 2, x["scale"])
+    else:
+        kernel = cpu_lut.dense_attention(x["q"], x["k_codes"], x["k_scale"], x["v_codes"], x["v_scale"], x["scale"])
+    out = fn(**x)
+    for a, e in zip(out, kernel, strict=True):
+        assert torch.equal(a, e)
+    assert_partial_close(out, ref(**x))
+    for extra in ({"bias": make_bias(B, 1, T)}, {"softcap": 4.0}):
+        for a, e in zip(fn(**x, **extra), ref(**x, **extra), strict=True):
+            assert torch.equal(a, e)
 
 
 def test_fallbacks_warn_once(fresh_dispatch):
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    fresh_dispatch.delattr(cpu_lut, "int8_attention", raising=False)
+    fresh_dispatch.delattr(cpu_lut, "kivi_attention", raising=False)
     ops.set_backend("cpu")
-    with pytest.warns(RuntimeWarning, match="no C\\+\\+ kernel for int8_attention"):
-        assert ops.implementation("int8_attention", cpu) is reference.int8_attention
+    with pytest.warns(RuntimeWarning, match="no C\\+\\+ kernel for kivi_attention"):
+        assert ops.implementation("kivi_attention", cpu) is reference.kivi_attention
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the second call is silent
-        ops.implementation("int8_attention", cpu)
+        ops.implementation("kivi_attention", cpu)
     ops.set_backend("triton")
     fresh_dispatch.setattr(ops, "triton_available", lambda: False)
     with pytest.warns(RuntimeWarning, match="Triton is not installed"):

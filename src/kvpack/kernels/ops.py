@@ -146,7 +146,28 @@ def _pca_vq_cpu(q, pos0, bitpos, bits, qmax, basis_t, mean, inv_freq, rope_scale
     return cpu_lut.pca_vq_attention(q, pos0, keys, k_codes, {"books": books, "bits": v_bits}, v_idx, v_norm, scale)
 
 
-_CPU_ADAPTERS = {"pca_vq_attention": _pca_vq_cpu}  # ops whose C++ launcher takes other arguments than the op
+def _tq_cpu(q_rot, k_codes, k_norm, k_centroids, k_bits, v_codes, v_norm, v_centroids, v_bits, d, scale, row_offset=None, bias=None,
+            softcap=0.0):
+    """`cpu_lut.tq_attention` behind the op's arguments. The C++ kernel takes no mask or softcap, up to
+    MAX_FUSED_ROWS float32 query rows, widths in LUT_BITS and values of the keys' head_dim: other calls
+    (and empty segments) take the reference."""
+    if (bias is not None or softcap or q_rot.dtype != torch.float32 or q_rot.shape[2] > cpu_lut.MAX_FUSED_ROWS
+            or d != q_rot.shape[-1] or k_bits not in cpu_lut.LUT_BITS or v_bits not in cpu_lut.LUT_BITS or k_codes.shape[2] == 0):
+        return reference.tq_attention(q_rot, k_codes, k_norm, k_centroids, k_bits, v_codes, v_norm, v_centroids, v_bits, d, scale,
+                                      row_offset, bias, softcap)
+    return cpu_lut.tq_attention(q_rot, row_offset, k_codes, k_norm, k_centroids, k_bits, v_codes, v_norm, v_centroids, v_bits, scale)
+
+
+def _int8_cpu(q, k_codes, k_scale, v_codes, v_scale, scale, bias=None, softcap=0.0):
+    """`cpu_lut.dense_attention` (int8 rows, fp16 per-token scales) behind the op's arguments; masked,
+    softcapped, non-float32 or empty calls take the reference."""
+    if bias is not None or softcap or q.dtype != torch.float32 or k_codes.shape[2] == 0:
+        return reference.int8_attention(q, k_codes, k_scale, v_codes, v_scale, scale, bias, softcap)
+    return cpu_lut.dense_attention(q, k_codes, k_scale, v_codes, v_scale, scale)
+
+
+# Ops whose C++ launcher takes other arguments than the op.
+_CPU_ADAPTERS = {"pca_vq_attention": _pca_vq_cpu, "tq_attention": _tq_cpu, "int8_attention": _int8_cpu}
 
 
 def _cpu_kernel(op: str) -> Callable | None:
