@@ -450,3 +450,44 @@ def test_quantize_pack_equals_bucketize_then_pack(bits, shape):
     y = torch.randn(*shape, generator=gen) * 0.2
     y.view(-1)[:: 7] = boundaries[torch.randint(0, 2**bits - 1, (y.numel() // 7 + 1,), generator=gen)][: y.view(-1)[::7].numel()]
     assert torch.equal(cpu_lut.quantize_pack(y, boundaries, bits), cpu_lut.quantize_pack_reference(y, boundaries, bits))
+
+
+@pytest.mark.parametrize("b,h,r,d,e", [(1, 3, 3, 64, 65), (2, 2, 7, 80, 80), (1, 1, 1, 256, 256)])
+def test_head_matmul_equals_float64_product(b, h, r, d, e):
+    """The C++ per-head product (and its affine form) against an fp64 einsum; a non-contiguous x is read as its values."""
+    gen = torch.Generator().manual_seed(d)
+    x = torch.randn(b, h, d, r, generator=gen).mT  # non-contiguous view
+    w, s, bias = torch.randn(h, d, e, generator=gen), torch.rand(b, h, r, 1, generator=gen), torch.randn(h, e, generator=gen)
+    plain = torch.einsum("bhrd,hde->bhre", x.double(), w.double())
+    assert_fp32_close(cpu_lut.head_matmul(x, w), plain.float())
+    assert_fp32_close(cpu_lut.head_matmul(x, w, s, bias), (plain + s.double() * bias.double()[None, :, None]).float())
+
+
+@pytest.mark.parametrize("rotation", ["hadamard", "qr"])
+def test_turboquant_query_and_output_maps_follow_the_fit(rotation):
+    """kernel_query = (Π(q⊙σ), q·μ) and kernel_output = (Πᵀo)⊙σ + Σp·μ, written out from the codec's rotation;
+    after a refit (new σ, μ) the folded matrices follow the new state instead of a stale copy."""
+    codec = TurboQuantCodec(TurboQuantConfig(bits=3, rotation=rotation, center=True, channel_scale=0.5), 64, 3, layer_idx=2)
+    gen = torch.Generator().manual_seed(1)
+    q, o, denom = torch.randn(1, 3, 4, 64, generator=gen), torch.randn(1, 3, 4, 64, generator=gen), torch.rand(1, 3, 4, 1, generator=gen)
+    for shift in (0.0, 3.0):
+        codec.fit(torch.randn(1, 3, 200, 64, generator=gen) * torch.linspace(0.1, 4, 64) + shift)
+        sigma, mu = codec.scale[None, :, None], codec.mean[None, :, None]
+        rot = codec.rotation(torch.device("cpu"))  # (kv, d, d): Πx = rot @ x
+        q_rot, offset = codec.kernel_query(q)
+        assert_fp32_close(q_rot, (q * sigma) @ rot.mT)
+        assert_fp32_close(offset, (q * mu).sum(-1, keepdim=True))
+        assert_fp32_close(codec.kernel_output(o, denom), (o @ rot) * sigma + denom * mu)
+
+
+def test_vq_output_map_is_scale_then_inverse_hadamard():
+    """Shard's VQ values: kernel_output(o) = diag(signs)·H·(o⊙scale) per head, from the dense Hadamard matrix."""
+    from kvpack.codecs.vq import VQConfig, VQValueCodec
+    from kvpack.primitives.rotation import dense_hadamard
+
+    codec = VQValueCodec(VQConfig(), 64, 2, layer_idx=1)
+    gen = torch.Generator().manual_seed(2)
+    codec.fit(torch.randn(1, 2, 300, 64, generator=gen))
+    o = torch.randn(1, 2, 3, 64, generator=gen)
+    signs, scale = codec.signs.float()[None, :, None], codec.scale.float()[None, :, None]
+    assert_fp32_close(codec.kernel_output(o), ((o * scale) @ dense_hadamard(64, o.device, torch.float32)) * signs)

@@ -19,6 +19,7 @@ from enum import Enum
 
 import torch
 
+from ..kernels import cpu_lut
 from ..primitives.kmeans import assign, kmeans
 from ..primitives.packing import pack_bits, unpack_bits
 from ..primitives.rotation import derive_seed, hadamard_transform, random_signs
@@ -179,8 +180,13 @@ class VQValueCodec(Codec):
         return cached[1]
 
     def kernel_output(self, o: torch.Tensor) -> torch.Tensor:
-        """Rotated, channel-normalized `Σ p·v̂` `(b, kv_heads, rows, head_dim)` -> value space (one inverse Hadamard)."""
-        return self._unrotate(o * self._on("scale", self.scale, o.device).float()[None, :, None])
+        """Rotated, channel-normalized `Σ p·v̂` `(b, kv_heads, rows, head_dim)` -> value space: one product per head
+        with the scale and inverse Hadamard folded into a matrix (built once per fit; C++ for decode rows on CPU)."""
+        def build() -> torch.Tensor:
+            eye = torch.eye(self.head_dim, device=o.device).expand(1, self.kv_heads, -1, -1)
+            return self._unrotate(eye * self._on("scale", self.scale, o.device).float()[None, :, :, None])[0].contiguous()
+
+        return cpu_lut.head_matmul(o.float(), self._derived(("output_map", o.device), (self.scale,), build))
 
     def decode(self, packed: VQPacked, positions: torch.Tensor | None = None) -> torch.Tensor:
         scale = self._on("scale", self.scale, packed.indices.device).float()[None, :, None]

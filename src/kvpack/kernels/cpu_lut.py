@@ -374,6 +374,32 @@ def quantize_pack_reference(y: torch.Tensor, boundaries: torch.Tensor, bits: int
     return pack_bits(torch.bucketize(y, boundaries).to(torch.uint8), bits)
 
 
+# Multiply-adds up to which `head_matmul` runs on the calling thread (a decode step's few rows per head:
+# 37K for SmolLM2's query map); larger products (big batches, prompt chunks) go to a threaded torch matmul.
+HEAD_MATMUL_SERIAL_MAX = 1 << 21
+
+
+def head_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`x @ w[h] (+ s * bias[h])` per head: x (B, H, R, D), w (H, D, E), s (B, H, R, 1), bias (H, E) -> (B, H, R, E) f32.
+
+    The decode step's query and output maps. A small product on a CPU tensor runs in C++ on the calling
+    thread: a torch matmul opens a parallel region per call, and under load each one waited for a preempted
+    thread (two per layer step cost the default a third of its speed on a busy machine). Anything else, or
+    without the kernels, is `head_matmul_reference`."""
+    b, h, r, d = x.shape
+    small = b * h * r * d * w.shape[-1] <= HEAD_MATMUL_SERIAL_MAX
+    if not (small and x.device.type == "cpu" and x.dtype == torch.float32 and w.dtype == torch.float32 and available()):
+        return head_matmul_reference(x, w, s, bias)
+    if s is None:
+        return _ext().head_matmul(x, w, _NONE, _NONE)
+    return _ext().head_matmul(x, w, s.float(), bias.float())
+
+
+def head_matmul_reference(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+    out = x.float() @ w.unsqueeze(0)
+    return out if s is None else out + s.float() * bias.float()[None, :, None, :]
+
+
 MAX_FUSED_ROWS = 16
 
 

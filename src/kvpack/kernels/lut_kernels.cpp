@@ -1188,6 +1188,50 @@ torch::Tensor quantize_pack(torch::Tensor y, torch::Tensor boundaries, int64_t b
   return out;
 }
 
+// out[b, h, r, :] = x[b, h, r, :] @ w[h] (+ s[b, h, r] * bias[h]): x (B, H, R, D), w (H, D, E), s (B, H, R, 1),
+// bias (H, E), all f32 (s, bias empty for none). The decode step's query and output maps (rotation, channel
+// scale, mean folded into one matrix per head): a few rows, so it runs on the calling thread. A torch matmul
+// opens a parallel region per call, and on a loaded machine each waited for a preempted thread.
+torch::Tensor head_matmul(torch::Tensor x, torch::Tensor w, torch::Tensor s, torch::Tensor bias) {
+  x = x.contiguous();
+  w = w.contiguous();
+  const int64_t B = x.size(0), H = x.size(1), R = x.size(2), D = x.size(3), E = w.size(2);
+  TORCH_CHECK(w.size(0) == H && w.size(1) == D, "head_matmul: w must be (H, D, E) for x (B, H, R, D)");
+  const bool affine = s.numel() > 0;
+  if (affine) {
+    s = s.contiguous();
+    bias = bias.contiguous();
+    TORCH_CHECK(s.numel() == B * H * R && bias.numel() == H * E, "head_matmul: s (B, H, R, 1) and bias (H, E)");
+  }
+  auto out = torch::empty({B, H, R, E}, x.options());
+  const float* xs = x.data_ptr<float>();
+  const float* ws = w.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t h = 0; h < H; ++h) {
+      const float* wh = ws + h * D * E;
+      for (int64_t r = 0; r < R; ++r) {
+        const int64_t row = (b * H + h) * R + r;
+        const float* xr = xs + row * D;
+        float* o = dst + row * E;
+        if (affine) {
+          const float sv = s.data_ptr<float>()[row];
+          const float* bh = bias.data_ptr<float>() + h * E;
+          for (int64_t e = 0; e < E; ++e) o[e] = sv * bh[e];
+        } else {
+          for (int64_t e = 0; e < E; ++e) o[e] = 0.f;
+        }
+        for (int64_t k = 0; k < D; ++k) {
+          const float xk = xr[k];
+          const float* wk = wh + k * E;
+          for (int64_t e = 0; e < E; ++e) o[e] += xk * wk[e];
+        }
+      }
+    }
+  }
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lut_scores", &lut_scores, "TurboQuant scores from a per-unit lookup table of query x centroid partial sums");
   m.def("lut_weighted_sum", &lut_weighted_sum, "TurboQuant probability-weighted centroid sum, rotated space");
@@ -1198,5 +1242,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pca_vq_attention", &pca_vq_attention, "online-softmax partial over Shard's PCA-coefficient keys and VQ values (rotated space)");
   m.def("merge_partials", &merge_partials, "normalized attention from per-part (m, l, o) partials, merged by log-sum-exp");
   m.def("quantize_pack", &quantize_pack, "bucketize against sorted boundaries and bit-pack LSB-first, one pass per row");
+  m.def("head_matmul", &head_matmul, "x @ w[h] (+ s * bias[h]) per head, on the calling thread (a few decode rows)");
   m.def("dense_attention", &dense_attention, "online-softmax partial (m, l, o) over int8 (scaled), fp16 or fp32 K/V");
 }
