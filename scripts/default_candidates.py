@@ -31,6 +31,11 @@ def _candidate(arg: str) -> MethodConfig:
     windowed = re.fullmatch(r"(k[1-4]v[1-4])-w(\d+)", arg)
     if windowed:  # `turboquant:kXvY` with an exact window of N tokens (blocks of 64 still leave it)
         return get_method(f"turboquant:{windowed[1]}").with_options(window=int(windowed[2]), name=f"candidate:{arg}")
+    tight = re.fullmatch(r"shard-e(\d+(?:\.\d+)?)", arg)
+    if tight:  # `shard` with its key rank chosen at N% relative score error on the prompt's queries (3% by default)
+        base = get_method("shard")
+        key = CodecSpec("pca", {"score_error": float(tight[1]) / 100})
+        return MethodConfig(f"candidate:{arg}", base.key, base.value, prefill_key=key, prefill_value=base.prefill_value)
     match = re.fullmatch(r"k([2-4])vq", arg)
     if not match:
         raise ValueError(f"candidate takes kXvq with X in 2..4 (e.g. candidate:k4vq) , kXvY-sN (a TurboQuant method at rotation seed N, e.g. candidate:k3v2-s1) or kXvY-wN (window N), got {arg!r}")

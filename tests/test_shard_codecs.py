@@ -234,9 +234,9 @@ def _truncated_keys(keys, positions, rank):
     return apply_rotary_pos_emb(k0, k0, cos, sin)[0]
 
 
-def test_pca_rank_from_queries_is_the_smallest_within_the_score_error():
+@pytest.mark.parametrize("tau", [0.03, 0.01])
+def test_pca_rank_from_queries_is_the_smallest_within_the_score_error(tau):
     keys, positions, queries = _keys_with_a_weak_direction_queries_read()
-    tau = 0.03
     codec = PCAKeyCodec(PCAConfig(bits=8, group_size=4, score_error=tau), D, KV)
     codec.set_rope(INV_FREQ)
     codec.fit(keys, positions, queries=queries)
@@ -269,3 +269,14 @@ def test_shard_value_codebook_sizes():
         assert config.name == canonical and config.key.codec == stream
         codec = config.prefill_value.build(64, 2)
         assert codec.config.codebook_size == size and codec.bits == (size - 1).bit_length()
+
+
+def test_shard_key_score_error_names():
+    """`shard:eN` sets the key rank's score error to N% (`e3` is plain `shard`), combinable with the other tokens
+    under one canonical name; anything else is refused with the allowed values."""
+    from kvpack.registry import get_method
+
+    for name, canonical, error in [("shard", "shard", 0.03), ("shard:e1", "shard:e1", 0.01), ("shard:e3", "shard", 0.03),
+                                   ("shard:e1+vq64", "shard:vq64+e1", 0.01), ("shard:e0.5+tq4", "shard:tq4+e0.5", 0.005)]:
+        config = get_method(name)
+        assert config.name == canonical and config.prefill_key.build(64, 2).config.score_error == pytest.approx(error)

@@ -51,7 +51,9 @@ def llama():
         ("turboquant:k5v2", r"turboquant takes 'kXvY'"),
         ("shard:zip", r"shard takes a decode-stream codec in \['fp16', 'int8', 'tq4'\]"),
         ("shard:vq100", r"shard's value codebook vqN takes N in \(16, 32, 64, 128, 256\), got 'vq100'"),
-        ("shard:vq64+vq32", r"shard takes a decode-stream codec .* and/or a value codebook vqN"),
+        ("shard:vq64+vq32", r"shard takes a decode-stream codec .*, a value codebook vqN .* each at most once"),
+        ("shard:e4", r"shard's key score error eN takes N in \('0.5', '1', '2', '3', '5'\) \(percent\), got 'e4'"),
+        ("shard:e1+e2", r"shard takes a decode-stream codec .* key score error eN .* each at most once"),
     ],
 )
 def test_bad_method_names_fail_at_construction(llama, name, match):

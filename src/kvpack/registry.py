@@ -402,19 +402,27 @@ def _kivi(arg: str) -> MethodConfig:
 
 
 SHARD_CODEBOOKS = (16, 32, 64, 128, 256)  # `shard:vqN`: entries of the value codebook (log2 N bits per 4 channels)
+SHARD_SCORE_ERRORS = ("0.5", "1", "2", "3", "5")  # `shard:eN`: the key rank keeps the prompt's score error within N%
 
 
 @method("shard")
 def _shard(arg: str) -> MethodConfig:
-    """`shard[:STREAM][+vqN]`: STREAM the decode-stream codec (int8 by default), N the value codebook's entries
-    (256 by default: 2 bits per value; `vq64`, 1.5 bits, takes Shard past 10x at 8K, docs/shard.md)."""
+    """`shard[:STREAM][+vqN][+eN]`: STREAM the decode-stream codec (int8 by default), vqN the value codebook's entries
+    (256 by default: 2 bits per value; `vq64`, 1.5 bits, takes Shard past 10x at 8K), eN the key rank: the smallest
+    that keeps the relative score error of the prompt's queries within N% (3 by default; `e1` holds Gemma-3's few
+    global layers within +1%, docs/shard.md)."""
     stream = {"": CodecSpec("int8"), "int8": CodecSpec("int8"), "tq4": CodecSpec("turboquant", {"bits": 4}), "fp16": CodecSpec("fp16")}
     parts = [p for p in arg.split("+") if p] if arg else []
     books = [p for p in parts if p.startswith("vq")]
-    streams = [p for p in parts if not p.startswith("vq")]
-    if len(books) > 1 or len(streams) > 1 or any(p not in stream for p in streams):
-        raise ValueError(f"shard takes a decode-stream codec in {sorted(k for k in stream if k)} and/or a value codebook "
-                         f"vqN, N in {SHARD_CODEBOOKS} (e.g. shard:tq4, shard:vq64, shard:tq4+vq64), got {arg!r}")
+    errors = [p for p in parts if p.startswith("e")]
+    streams = [p for p in parts if not p.startswith(("vq", "e"))]
+    if len(books) > 1 or len(streams) > 1 or len(errors) > 1 or any(p not in stream for p in streams):
+        raise ValueError(f"shard takes a decode-stream codec in {sorted(k for k in stream if k)}, a value codebook vqN "
+                         f"(N in {SHARD_CODEBOOKS}) and/or a key score error eN (N in {SHARD_SCORE_ERRORS}), each at most once, "
+                         f"joined by + (e.g. shard:tq4, shard:vq64, shard:e1, shard:tq4+vq64+e1), got {arg!r}")
+    if errors and errors[0][1:] not in SHARD_SCORE_ERRORS:
+        raise ValueError(f"shard's key score error eN takes N in {SHARD_SCORE_ERRORS} (percent), got {errors[0]!r}")
+    error = errors[0][1:] if errors and errors[0][1:] != "3" else None
     options = {"token_norm": True}
     if books:
         size = books[0][2:]
@@ -426,8 +434,10 @@ def _shard(arg: str) -> MethodConfig:
     # Per-token RMS on values (2 B per token and head): at an 8K prefix on SmolLM2 the blog's VQ alone
     # cost +3.0% perplexity (values only lossy), with the RMS -0.1%.
     value = CodecSpec("vq", options)
-    tokens = [t for t in (streams[0] if streams and streams[0] else "", f"vq{options['codebook_size']}" if "codebook_size" in options else "") if t]
-    return MethodConfig("shard" + (":" + "+".join(tokens) if tokens else ""), s, s, prefill_key=CodecSpec("pca"), prefill_value=value)
+    tokens = [t for t in (streams[0] if streams and streams[0] else "", f"vq{options['codebook_size']}" if "codebook_size" in options else "",
+                          f"e{error}" if error else "") if t]
+    key = CodecSpec("pca", {"score_error": float(error) / 100} if error else {})
+    return MethodConfig("shard" + (":" + "+".join(tokens) if tokens else ""), s, s, prefill_key=key, prefill_value=value)
 
 
 @method("kvquant", "4", "3", "2")
