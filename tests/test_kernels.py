@@ -461,6 +461,27 @@ def test_head_matmul_equals_float64_product(b, h, r, d, e):
     plain = torch.einsum("bhrd,hde->bhre", x.double(), w.double())
     assert_fp32_close(cpu_lut.head_matmul(x, w), plain.float())
     assert_fp32_close(cpu_lut.head_matmul(x, w, s, bias), (plain + s.double() * bias.double()[None, :, None]).float())
+    if d == e:  # a transposed view (a rotation's inverse) is read through its strides
+        assert_fp32_close(cpu_lut.head_matmul(x, w.mT), torch.einsum("bhrd,hed->bhre", x.double(), w.double()).float())
+
+
+@pytest.mark.parametrize("b,h,r,d", [(1, 3, 3, 64), (2, 2, 7, 128), (1, 1, 1, 256), (1, 2, 2, 8)])
+def test_fwht_rows_equals_dense_hadamard_in_float64(b, h, r, d):
+    """`FWHT(x ⊙ pre) ⊙ post + s·bias` in C++ against the dense Sylvester matrix (built by its definition
+    H_2n = [[H, H], [H, -H]] / sqrt 2) in fp64, with and without each factor."""
+    gen = torch.Generator().manual_seed(d)
+    hadamard = torch.ones(1, 1, dtype=torch.float64)
+    while hadamard.shape[0] < d:
+        hadamard = torch.cat([torch.cat([hadamard, hadamard], 1), torch.cat([hadamard, -hadamard], 1)], 0) / 2**0.5
+    x = torch.randn(b, h, r, d, generator=gen)
+    pre, post, bias = (torch.randn(h, d, generator=gen) for _ in range(3))
+    s = torch.rand(b, h, r, 1, generator=gen)
+    def expected(pre_, post_, s_):
+        y = (x.double() * (1 if pre_ is None else pre_.double()[None, :, None])) @ hadamard
+        y = y * (1 if post_ is None else post_.double()[None, :, None])
+        return (y if s_ is None else y + s_.double() * bias.double()[None, :, None]).float()
+    for pre_, post_, s_ in [(None, None, None), (pre, None, None), (None, post, s), (pre, post, s)]:
+        assert_fp32_close(cpu_lut.fwht_rows(x, pre_, post_, s_, None if s_ is None else bias), expected(pre_, post_, s_))
 
 
 @pytest.mark.parametrize("rotation", ["hadamard", "qr"])

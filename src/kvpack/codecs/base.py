@@ -287,12 +287,3 @@ class Codec(ABC):
         if hit is None or hit[0] is not state:
             hit = copies[(key, device)] = (state, state.to(device))
         return hit[1]
-
-    def _derived(self, key: tuple, sources: tuple, build) -> torch.Tensor:
-        """`build()`, kept under `key` while every tensor in `sources` (codec state, or None) is still the
-        codec's: built once per fit (the same identity rule as `_on`), not once per decode step."""
-        memo = self.__dict__.setdefault("_derived_memo", {})
-        hit = memo.get(key)
-        if hit is None or len(hit[0]) != len(sources) or any(a is not b for a, b in zip(hit[0], sources, strict=True)):
-            hit = memo[key] = (sources, build())
-        return hit[1]

@@ -325,39 +325,35 @@ class TurboQuantCodec(Codec):
         """"tq" when a fused kernel can read this codec's blocks (MSE codes only), else None."""
         return "tq" if self.codebook is not None and not self.config.qjl else None
 
-    def _query_map(self, device: torch.device) -> torch.Tensor:
-        """`(kv, d, d [+ 1])` W with q @ W = [Π(q⊙σ) | q·μ]: the channel scale, rotation and mean of a
-        query in one matrix per head, built once per fit (rows of W are the map applied to unit vectors)."""
-        def build() -> torch.Tensor:
-            eye = torch.eye(self.head_dim, device=device).expand(1, self.kv_heads, -1, -1)
-            scale = self._scale(device)
-            w = self._rotate(eye if scale is None else eye * scale.mT)[0]
-            return w if self.mean is None else torch.cat([w, self._mean(device)[0].mT], dim=-1).contiguous()
-
-        return self._derived(("query_map", device), (self.scale, self.mean), build)
-
-    def _output_map(self, device: torch.device) -> torch.Tensor:
-        """`(kv, d, d)` W with o @ W = (Πᵀo)⊙σ: rotated-space sums back to the value space, one matrix per head."""
-        def build() -> torch.Tensor:
-            w = self._unrotate(torch.eye(self.head_dim, device=device).expand(1, self.kv_heads, -1, -1))[0]
-            return w if self.scale is None else (w * self._scale(device)[0]).contiguous()
-
-        return self._derived(("output_map", device), (self.scale,), build)
+    def _signs_times_scale(self, device: torch.device) -> torch.Tensor:
+        """`(kv, d)` Hadamard signs times the channel scale σ (or the signs alone): the pre-factor of the query's map and
+        the post-factor of the output's. One small product per call rather than a cached copy: the bytes a cache holds
+        are what `memory_report` counts."""
+        signs = self._hadamard_signs(device)[:, 0]
+        scale = self._scale(device)
+        return signs if scale is None else signs * scale[0, :, 0]
 
     def kernel_query(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Grouped query `(b, kv, rows, d)` -> (Π(q⊙σ) for the codes, q·μ `(b, kv, rows, 1)` or None): one
-        product with `_query_map` (in C++ on the calling thread for decode rows on CPU)."""
-        y = cpu_lut.head_matmul(q.float(), self._query_map(q.device))
-        if self.mean is None:
-            return y, None
-        return y[..., : self.head_dim].contiguous(), y[..., self.head_dim :].contiguous()
+        """Grouped query `(b, kv, rows, d)` -> (Π(q⊙σ) for the codes, q·μ `(b, kv, rows, 1)` or None). For decode rows on
+        CPU both run in C++ on the calling thread (`fwht_rows`, `head_matmul`): no torch parallel region per layer."""
+        q = q.float()
+        if self._hadamard_signs(q.device) is not None:
+            q_rot = cpu_lut.fwht_rows(q, pre=self._signs_times_scale(q.device))
+        else:
+            scale = self._scale(q.device)
+            q_rot = cpu_lut.head_matmul(q if scale is None else q * scale, self.rotation(q.device).mT)
+        offset = None if self.mean is None else cpu_lut.head_matmul(q, self._mean(q.device)[0].mT)
+        return q_rot, offset
 
     def kernel_output(self, o: torch.Tensor, denom: torch.Tensor) -> torch.Tensor:
         """Rotated-space Σp·v̂ `(b, kv, rows, d)` and Σp `(b, kv, rows, 1)` -> Σp·v = (Πᵀo)⊙σ + Σp·μ in the value space."""
-        w = self._output_map(o.device)
-        if self.mean is None:
-            return cpu_lut.head_matmul(o, w)
-        return cpu_lut.head_matmul(o, w, denom, self._mean(o.device)[0, :, 0])
+        mean = None if self.mean is None else self._mean(o.device)[0, :, 0]
+        if self._hadamard_signs(o.device) is not None:
+            return cpu_lut.fwht_rows(o, post=self._signs_times_scale(o.device), s=None if mean is None else denom, bias=mean)
+        out = cpu_lut.head_matmul(o, self.rotation(o.device))
+        if self.scale is not None:
+            out = out * self._scale(out.device)
+        return out if mean is None else out + denom * mean[None, :, None]
 
     def _rotated_sum(self, p: torch.Tensor, block: TurboQuantPacked, mse: bool) -> torch.Tensor:
         """Σ_t p_t·v̂_t of one chunk in the rotated space `(b, kv, rows, d)`: the MSE term when `mse` (else a

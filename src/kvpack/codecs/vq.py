@@ -22,7 +22,7 @@ import torch
 from ..kernels import cpu_lut
 from ..primitives.kmeans import assign, kmeans
 from ..primitives.packing import pack_bits, unpack_bits
-from ..primitives.rotation import derive_seed, hadamard_transform, random_signs
+from ..primitives.rotation import derive_seed, hadamard_transform, is_power_of_two, random_signs
 from .base import Codec, Packed, check_state, group_query, ungroup
 
 _CHUNK_ELEMENTS = 1 << 22  # float32 entries of looked-up codewords held at once in `weighted_sum`
@@ -180,13 +180,12 @@ class VQValueCodec(Codec):
         return cached[1]
 
     def kernel_output(self, o: torch.Tensor) -> torch.Tensor:
-        """Rotated, channel-normalized `Σ p·v̂` `(b, kv_heads, rows, head_dim)` -> value space: one product per head
-        with the scale and inverse Hadamard folded into a matrix (built once per fit; C++ for decode rows on CPU)."""
-        def build() -> torch.Tensor:
-            eye = torch.eye(self.head_dim, device=o.device).expand(1, self.kv_heads, -1, -1)
-            return self._unrotate(eye * self._on("scale", self.scale, o.device).float()[None, :, :, None])[0].contiguous()
-
-        return cpu_lut.head_matmul(o.float(), self._derived(("output_map", o.device), (self.scale,), build))
+        """Rotated, channel-normalized `Σ p·v̂` `(b, kv_heads, rows, head_dim)` -> value space: one inverse Hadamard with the
+        channel scale before it (in C++ on the calling thread for decode rows on CPU, `fwht_rows`)."""
+        if not is_power_of_two(self.head_dim):  # block Hadamard (hadamard_transform): the torch path
+            return self._unrotate(o * self._on("scale", self.scale, o.device).float()[None, :, None])
+        scale = self._on("scale", self.scale, o.device).float()  # small per-call casts: no float copies held
+        return cpu_lut.fwht_rows(o.float(), pre=scale, post=self._signs(o.device)[0, :, 0])
 
     def decode(self, packed: VQPacked, positions: torch.Tensor | None = None) -> torch.Tensor:
         scale = self._on("scale", self.scale, packed.indices.device).float()[None, :, None]

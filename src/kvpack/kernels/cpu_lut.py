@@ -374,21 +374,21 @@ def quantize_pack_reference(y: torch.Tensor, boundaries: torch.Tensor, bits: int
     return pack_bits(torch.bucketize(y, boundaries).to(torch.uint8), bits)
 
 
-# Multiply-adds up to which `head_matmul` runs on the calling thread (a decode step's few rows per head:
-# 37K for SmolLM2's query map); larger products (big batches, prompt chunks) go to a threaded torch matmul.
-HEAD_MATMUL_SERIAL_MAX = 1 << 21
+# Multiply-adds up to which `head_matmul` / `fwht_rows` run on the calling thread (a decode step's few rows per
+# head); larger products (big batches, prompt chunks) go to torch's threaded ops.
+SERIAL_MAX_MACS = 1 << 21
+
+
+def _serial(x: torch.Tensor, macs: int) -> bool:
+    """Whether a per-head product over `x` runs in C++ on the calling thread: small, float32, on the CPU, kernels built.
+    A torch matmul opens a parallel region per call, and under load each one waited for a preempted thread (two per
+    layer step cost the default half its speed on a busy machine, docs/speed.md)."""
+    return macs <= SERIAL_MAX_MACS and x.device.type == "cpu" and x.dtype == torch.float32 and available()
 
 
 def head_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`x @ w[h] (+ s * bias[h])` per head: x (B, H, R, D), w (H, D, E), s (B, H, R, 1), bias (H, E) -> (B, H, R, E) f32.
-
-    The decode step's query and output maps. A small product on a CPU tensor runs in C++ on the calling
-    thread: a torch matmul opens a parallel region per call, and under load each one waited for a preempted
-    thread (two per layer step cost the default a third of its speed on a busy machine). Anything else, or
-    without the kernels, is `head_matmul_reference`."""
-    b, h, r, d = x.shape
-    small = b * h * r * d * w.shape[-1] <= HEAD_MATMUL_SERIAL_MAX
-    if not (small and x.device.type == "cpu" and x.dtype == torch.float32 and w.dtype == torch.float32 and available()):
+    """`x @ w[h] (+ s * bias[h])` per head: x (B, H, R, D), w (H, D, E) (any strides), s (B, H, R, 1), bias (H, E) -> (B, H, R, E) f32."""
+    if not (_serial(x, x.numel() * w.shape[-1]) and w.dtype == torch.float32):
         return head_matmul_reference(x, w, s, bias)
     if s is None:
         return _ext().head_matmul(x, w, _NONE, _NONE)
@@ -398,6 +398,27 @@ def head_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None = None,
 def head_matmul_reference(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
     out = x.float() @ w.unsqueeze(0)
     return out if s is None else out + s.float() * bias.float()[None, :, None, :]
+
+
+def fwht_rows(x: torch.Tensor, pre: torch.Tensor | None = None, post: torch.Tensor | None = None, s: torch.Tensor | None = None,
+              bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`FWHT(x ⊙ pre[h]) ⊙ post[h] (+ s · bias[h])`: x (B, H, R, D) f32 (D a power of two), pre, post, bias (H, D) f32,
+    s (B, H, R, 1) -> (B, H, R, D) f32, FWHT orthonormal (`primitives.rotation.fwht`). The query and output maps of
+    Hadamard-rotated codecs: in C++ on the calling thread for decode rows, holding no dense matrix."""
+    d = x.shape[-1]
+    if not _serial(x, x.numel() * max(1, d.bit_length())):
+        return fwht_rows_reference(x, pre, post, s, bias)
+    none = _NONE
+    return _ext().fwht_rows(x, none if pre is None else pre.float(), none if post is None else post.float(),
+                            none if s is None else s.float(), none if bias is None else bias.float())
+
+
+def fwht_rows_reference(x, pre=None, post=None, s=None, bias=None) -> torch.Tensor:
+    from ..primitives.rotation import fwht
+
+    y = fwht(x.float() if pre is None else x.float() * pre.float()[None, :, None, :])
+    y = y if post is None else y * post.float()[None, :, None, :]
+    return y if s is None else y + s.float() * bias.float()[None, :, None, :]
 
 
 MAX_FUSED_ROWS = 16
