@@ -184,7 +184,7 @@ def test_fused_decode_equals_reference_over_dequantized_cache(method, gqa):
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
-@pytest.mark.parametrize("method", ["turboquant:k3v2", "int8", "shard:tq4", "kivi:2"])
+@pytest.mark.parametrize("method", ["turboquant:k3v2", "int8", "shard:tq4", "shard:k3v2+e1", "kivi:2"])
 def test_device_decode_path_through_custom_ops(monkeypatch, backend, method):
     """The route a CUDA decode step takes (the `kvpack::` ops: Triton kernels, run here on CPU tensors by
     Triton's interpreter, or the torch references) against attention over the dequantized cache."""

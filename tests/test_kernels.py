@@ -19,6 +19,7 @@ import torch
 from kvpack.codecs.int8 import Int8Codec, Int8Config
 from kvpack.codecs.turboquant import TurboQuantCodec, TurboQuantConfig
 from kvpack.kernels import cpu_lut
+from kvpack.primitives.kmeans import d2_picks as kmeans_d2_picks
 from kvpack.primitives.lloyd_max import lloyd_max_codebook
 from kvpack.primitives.packing import pack_bits, unpack_bits
 
@@ -450,6 +451,42 @@ def test_quantize_pack_equals_bucketize_then_pack(bits, shape):
     y = torch.randn(*shape, generator=gen) * 0.2
     y.view(-1)[:: 7] = boundaries[torch.randint(0, 2**bits - 1, (y.numel() // 7 + 1,), generator=gen)][: y.view(-1)[::7].numel()]
     assert torch.equal(cpu_lut.quantize_pack(y, boundaries, bits), cpu_lut.quantize_pack_reference(y, boundaries, bits))
+
+
+@pytest.mark.parametrize("g,n,d,k", [(1, 3001, 4, 256), (3, 17, 4, 37), (2, 64, 8, 16), (1, 5, 3, 1)])
+def test_nearest_codeword_equals_brute_force_distances(g, n, d, k):
+    """Index and squared distance of the nearest codeword against torch.cdist in fp64, with K not a multiple of the
+    kernel's 16 lanes, N not a multiple of its 4-point tiles, several groups, and duplicated codewords (the lowest
+    index wins a tie, as torch.min's does)."""
+    gen = torch.Generator().manual_seed(n)
+    x, c = torch.randn(g, n, d, generator=gen), torch.randn(g, k, d, generator=gen)
+    if k > 20:
+        c[:, 20] = c[:, 3]  # an exact tie between codewords 3 and 20
+        x[:, :4] = c[:, 3:4]
+    index, dist = cpu_lut.nearest_codeword(x, c)
+    exact = torch.cdist(x.double(), c.double()).square()
+    best = exact.min(-1)
+    torch.testing.assert_close(dist.double(), best.values, atol=1e-5, rtol=1e-5)
+    chosen = exact.gather(-1, index[..., None]).squeeze(-1)
+    assert (chosen <= best.values + 1e-5).all()
+    if k > 20:
+        assert (index[:, :4] == 3).all()
+
+
+@pytest.mark.parametrize("g,n,d,k", [(1, 4096, 4, 256), (3, 500, 4, 17), (2, 7, 8, 7)])
+def test_d2_picks_equal_the_torch_seeding(g, n, d, k):
+    """k-means++ seeds in C++ against primitives.kmeans.d2_picks fed the same draws: the same indices, including a
+    group whose points all coincide (zero weight: uniform draws) and one with a few distinct points."""
+    gen = torch.Generator().manual_seed(n)
+    x = torch.randn(g, n, d, generator=gen)
+    if g > 1:
+        x[0] = 1.0  # every point the same
+        x[1] = x[1, torch.randint(0, 3, (n,), generator=gen)]  # three distinct points
+    first = torch.randint(0, n, (g,), generator=gen)
+    u = torch.rand(g, k - 1, generator=gen, dtype=torch.float64)
+    expected = kmeans_d2_picks(x, first, u)
+    assert torch.equal(cpu_lut.d2_picks(x, first, u), expected)
+    assert expected.min() >= 0 and expected.max() < n
 
 
 @pytest.mark.parametrize("b,h,r,d,e", [(1, 3, 3, 64, 65), (2, 2, 7, 80, 80), (1, 1, 1, 256, 256)])

@@ -264,11 +264,24 @@ def test_shard_value_codebook_sizes():
     from kvpack.registry import get_method
 
     for name, canonical, size, stream in [("shard", "shard", 256, "int8"), ("shard:vq64", "shard:vq64", 64, "int8"),
-                                          ("shard:vq64+tq4", "shard:tq4+vq64", 64, "turboquant"), ("shard:vq256", "shard", 256, "int8")]:
+                                          ("shard:vq64+tq4", "shard:tq4+vq64", 64, "turboquant"), ("shard:vq256", "shard", 256, "int8"),
+                                          ("shard:vq64+k3v2", "shard:k3v2+vq64", 64, "turboquant")]:
         config = get_method(name)
         assert config.name == canonical and config.key.codec == stream
         codec = config.prefill_value.build(64, 2)
         assert codec.config.codebook_size == size and codec.bits == (size - 1).bit_length()
+
+
+def test_shard_k3v2_stream_is_turboquant_k3v2():
+    """`shard:k3v2` codes the tokens after the prompt with `turboquant:k3v2`'s own key and value codecs (3 and 2 bits,
+    keys centered and channel-scaled), while the prompt keeps Shard's PCA keys and VQ values."""
+    from kvpack.registry import get_method
+
+    config, tq = get_method("shard:k3v2+e1"), get_method("turboquant:k3v2")
+    assert (config.key, config.value) == (tq.key, tq.value)
+    assert config.prefill_key.codec == "pca" and config.prefill_value.codec == "vq"
+    codecs = config.key.build(64, 2), config.value.build(64, 2)
+    assert [c.config.bits for c in codecs] == [3, 2]
 
 
 def test_shard_key_score_error_names():

@@ -407,11 +407,15 @@ SHARD_SCORE_ERRORS = ("0.5", "1", "2", "3", "5")  # `shard:eN`: the key rank kee
 
 @method("shard")
 def _shard(arg: str) -> MethodConfig:
-    """`shard[:STREAM][+vqN][+eN]`: STREAM the decode-stream codec (int8 by default), vqN the value codebook's entries
+    """`shard[:STREAM][+vqN][+eN]`: STREAM the codec of tokens after the prompt (int8 by default; k3v2 the default's
+    TurboQuant pair), vqN the value codebook's entries
     (256 by default: 2 bits per value; `vq64`, 1.5 bits, takes Shard past 10x at 8K), eN the key rank: the smallest
     that keeps the relative score error of the prompt's queries within N% (3 by default; `e1` holds Gemma-3's few
     global layers within +1%, docs/shard.md)."""
-    stream = {"": CodecSpec("int8"), "int8": CodecSpec("int8"), "tq4": CodecSpec("turboquant", {"bits": 4}), "fp16": CodecSpec("fp16")}
+    # k3v2: the default's TurboQuant pair, so tokens generated after the prompt stay at >= 5x too.
+    tq = get_method("turboquant:k3v2")
+    stream = {"": (CodecSpec("int8"),) * 2, "int8": (CodecSpec("int8"),) * 2, "tq4": (CodecSpec("turboquant", {"bits": 4}),) * 2,
+              "fp16": (CodecSpec("fp16"),) * 2, "k3v2": (tq.key, tq.value)}
     parts = [p for p in arg.split("+") if p] if arg else []
     books = [p for p in parts if p.startswith("vq")]
     errors = [p for p in parts if p.startswith("e")]
@@ -419,7 +423,7 @@ def _shard(arg: str) -> MethodConfig:
     if len(books) > 1 or len(streams) > 1 or len(errors) > 1 or any(p not in stream for p in streams):
         raise ValueError(f"shard takes a decode-stream codec in {sorted(k for k in stream if k)}, a value codebook vqN "
                          f"(N in {SHARD_CODEBOOKS}) and/or a key score error eN (N in {SHARD_SCORE_ERRORS}), each at most once, "
-                         f"joined by + (e.g. shard:tq4, shard:vq64, shard:e1, shard:tq4+vq64+e1), got {arg!r}")
+                         f"joined by + (e.g. shard:tq4, shard:k3v2, shard:vq64, shard:e1, shard:k3v2+e1), got {arg!r}")
     if errors and errors[0][1:] not in SHARD_SCORE_ERRORS:
         raise ValueError(f"shard's key score error eN takes N in {SHARD_SCORE_ERRORS} (percent), got {errors[0]!r}")
     error = errors[0][1:] if errors and errors[0][1:] != "3" else None
@@ -430,14 +434,14 @@ def _shard(arg: str) -> MethodConfig:
             raise ValueError(f"shard's value codebook vqN takes N in {SHARD_CODEBOOKS}, got {books[0]!r}")
         if int(size) != 256:
             options["codebook_size"] = int(size)
-    s = stream[streams[0] if streams else ""]
+    stream_key, stream_value = stream[streams[0] if streams else ""]
     # Per-token RMS on values (2 B per token and head): at an 8K prefix on SmolLM2 the blog's VQ alone
     # cost +3.0% perplexity (values only lossy), with the RMS -0.1%.
     value = CodecSpec("vq", options)
     tokens = [t for t in (streams[0] if streams and streams[0] else "", f"vq{options['codebook_size']}" if "codebook_size" in options else "",
                           f"e{error}" if error else "") if t]
     key = CodecSpec("pca", {"score_error": float(error) / 100} if error else {})
-    return MethodConfig("shard" + (":" + "+".join(tokens) if tokens else ""), s, s, prefill_key=key, prefill_value=value)
+    return MethodConfig("shard" + (":" + "+".join(tokens) if tokens else ""), stream_key, stream_value, prefill_key=key, prefill_value=value)
 
 
 @method("kvquant", "4", "3", "2")

@@ -20,7 +20,7 @@ from enum import Enum
 import torch
 
 from ..kernels import cpu_lut
-from ..primitives.kmeans import assign, kmeans
+from ..primitives.kmeans import kmeans
 from ..primitives.packing import pack_bits, unpack_bits
 from ..primitives.rotation import derive_seed, hadamard_transform, is_power_of_two, random_signs
 from .base import Codec, Packed, check_state, group_query, ungroup
@@ -140,7 +140,8 @@ class VQValueCodec(Codec):
             # Pseudo-head ids -1 / -2 keep these streams apart from the per-head rotation signs.
             gen = torch.Generator().manual_seed(derive_seed(cfg.seed, self.layer_idx, -2))
             points = points[:, torch.randperm(points.shape[1], generator=gen)[: cfg.fit_points]]
-        result = kmeans(points, cfg.codebook_size, cfg.n_iter, seed=derive_seed(cfg.seed, self.layer_idx, -1))
+        result = kmeans(points, cfg.codebook_size, cfg.n_iter, seed=derive_seed(cfg.seed, self.layer_idx, -1), nearest=cpu_lut.nearest_codeword,
+                        picks=cpu_lut.d2_picks)
         self.codebooks = result.centroids.half()
 
     def encode(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> VQPacked:
@@ -152,7 +153,7 @@ class VQValueCodec(Codec):
         norm = self._token_rms(y) if self.config.token_norm else None
         if norm is not None:
             y = y / norm.float()
-        index, _ = assign(self._points(y), self._on("codebooks", self.codebooks, x.device).float())
+        index, _ = cpu_lut.nearest_codeword(self._points(y), self._on("codebooks", self.codebooks, x.device).float())
         if self.config.scope is VQScope.LAYER:
             index = index.reshape(b, h, t, self.n_groups)
         else:

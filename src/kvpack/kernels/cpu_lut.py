@@ -27,6 +27,8 @@ from types import ModuleType
 
 import torch
 
+from ..primitives.kmeans import assign
+from ..primitives.kmeans import d2_picks as kmeans_d2_picks
 from ..primitives.packing import pack_bits, packed_length, unpack_bits
 
 SOURCE = Path(__file__).with_name("lut_kernels.cpp")
@@ -372,6 +374,39 @@ def quantize_pack(y: torch.Tensor, boundaries: torch.Tensor, bits: int) -> torch
 
 def quantize_pack_reference(y: torch.Tensor, boundaries: torch.Tensor, bits: int) -> torch.Tensor:
     return pack_bits(torch.bucketize(y, boundaries).to(torch.uint8), bits)
+
+
+def nearest_codeword(x: torch.Tensor, centroids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Nearest codeword of each point: x (G, N, D), centroids (G, K, D) f32 -> index (G, N) i64, squared distance
+    (G, N) f32 (ties to the lowest index). k-means' assignment step and VQ's encode; falls back to the torch
+    reference (`primitives.kmeans.assign`) off the CPU or without the kernels."""
+    if not (available() and x.device.type == "cpu" and centroids.device.type == "cpu"):
+        return nearest_codeword_reference(x, centroids)
+    x = _check("x", x.float(), torch.float32, (None, None, None))
+    g, _, d = x.shape
+    centroids = _check("centroids", centroids.float().contiguous(), torch.float32, (g, None, d))
+    index, dist = _ext().nearest_codeword(x, centroids)
+    return index, dist
+
+
+def nearest_codeword_reference(x: torch.Tensor, centroids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return assign(x, centroids)
+
+
+def d2_picks(x: torch.Tensor, first: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """k-means++ seed indices from pre-drawn uniforms (`primitives.kmeans.d2_picks`, same arguments, same picks):
+    x (G, N, D) f32, first (G,) i64, u (G, k - 1) f64 -> (G, k) i64. Falls back to the torch reference off the CPU
+    or without the kernels."""
+    if not (available() and x.device.type == "cpu"):
+        return d2_picks_reference(x, first, u)
+    x = _check("x", x.float(), torch.float32, (None, None, None))
+    first = _check("first", first, torch.int64, (x.shape[0],))
+    u = _check("u", u, torch.float64, (x.shape[0], None))
+    return _ext().d2_picks(x, first, u)
+
+
+def d2_picks_reference(x: torch.Tensor, first: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    return kmeans_d2_picks(x, first, u)
 
 
 # Multiply-adds up to which `head_matmul` / `fwht_rows` run on the calling thread (a decode step's few rows per
