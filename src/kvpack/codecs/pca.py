@@ -227,11 +227,16 @@ class PCAKeyCodec(UnRopedKeys, Codec):
         """"pca" once fitted: the fused kernel rebuilds keys tile by tile from the codes (`kernel_state`)."""
         return "pca" if self.fitted else None
 
+    def kernel_basis_t(self) -> torch.Tensor:
+        """The folded basis transposed, `(groups, rank, group_dim)` float32: what the kernels rebuild keys from."""
+        return self._folded().transpose(1, 2).contiguous()
+
     def kernel_state(self) -> dict:
         """What `kernels.cpu_lut.pca_vq_attention` reads, derived once per fit: per component the first bit
         in a packed row, its width and level offset; the folded basis (`_folded`), transposed
         `(groups, rank, group_dim)`; the mean `(groups, group_dim)`; the RoPE frequencies. The CPU launcher adds
-        the basis' integer form for its VNNI rebuild on first use (`cpu_lut.int8_basis`)."""
+        the basis' integer form for its VNNI rebuild on first use (`cpu_lut.int8_basis`) and then drops the float
+        basis (an empty tensor), which the device ops derive again if they run on this codec."""
         cached = getattr(self, "_kernel_cache", None)
         if cached is not None and cached[0] is self.basis and cached[1] is self.rope:
             return cached[2]
@@ -240,7 +245,7 @@ class PCAKeyCodec(UnRopedKeys, Codec):
             bitpos += [8 * byte + k * b for k in range(n)]
             bits += [b] * n
             byte += packed_length(n, b)
-        basis_t = self._folded().transpose(1, 2).contiguous()  # (groups, rank, group_dim)
+        basis_t = self.kernel_basis_t()
         state = {
             "bitpos": torch.tensor(bitpos, dtype=torch.int32),
             "bits": torch.tensor(bits, dtype=torch.uint8),

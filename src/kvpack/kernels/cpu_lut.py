@@ -320,6 +320,10 @@ def pca_vq_attention(q, pos0, keys: dict, k_codes, v_state: dict, v_idx, v_norm,
     """
     if "int8" not in keys:  # derived once: a codec's kernel_state() is cached per fit, so this memoizes there
         keys["int8"] = int8_basis(keys["basis_t"], keys["mean"], keys["qmax"])
+        if keys["int8"] is not None:
+            # The integer rebuild never reads the float basis: drop it (4x the stored int8 basis; memory_report counts
+            # what a codec holds). The device ops rebuild it from the codec (`PCAKeyCodec.kernel_basis_t`).
+            keys["basis_t"] = _NONE
     integer = keys["int8"]
     integer = (integer["w8"], integer["col_scale"], integer["mean8"]) if integer is not None else (_NONE_I8, _NONE, _NONE)
     if not validate:
@@ -331,10 +335,13 @@ def pca_vq_attention(q, pos0, keys: dict, k_codes, v_state: dict, v_idx, v_norm,
     b, kv, r, d = q.shape
     if r > MAX_FUSED_ROWS:
         raise ValueError(f"pca_vq_attention serves up to {MAX_FUSED_ROWS} query rows per kv head, got {r}")
-    basis_t = _check("basis_t", keys["basis_t"], torch.float32, (None, None, None))
-    groups, rank, gdim = basis_t.shape
+    mean = _check("mean", keys["mean"], torch.float32, (None, None))
+    (groups, gdim), rank = mean.shape, keys["qmax"].numel()
     if groups < 1 or kv % groups or gdim != kv // groups * d:
-        raise ValueError(f"basis_t {tuple(basis_t.shape)} does not cover {kv} kv heads of {d} dims")
+        raise ValueError(f"mean {tuple(mean.shape)} (groups, gdim) does not cover {kv} kv heads of {d} dims")
+    basis_t = keys["basis_t"]
+    if keys["int8"] is None:
+        basis_t = _check("basis_t", basis_t, torch.float32, (groups, rank, gdim))
     k_codes = _check_rows("k_codes", k_codes, torch.uint8, (b, groups, None, keys["row_bytes"]))
     t = k_codes.shape[2]
     books = _check("books", v_state["books"], torch.float32, (None, None, None))
@@ -348,7 +355,7 @@ def pca_vq_attention(q, pos0, keys: dict, k_codes, v_state: dict, v_idx, v_norm,
             q, _check("pos0", pos0, torch.long, (b,)), _check("inv_freq", keys["inv_freq"], torch.float32, (d // 2,)),
             float(keys["rope_scale"]), k_codes, _check("bitpos", keys["bitpos"], torch.int32, (rank,)),
             _check("bits", keys["bits"], torch.uint8, (rank,)), _check("qmax", keys["qmax"], torch.float32, (rank,)),
-            basis_t, _check("mean", keys["mean"], torch.float32, (groups, gdim)), v_idx, int(vbits), norm, books, float(scale), *integer,
+            basis_t, mean, v_idx, int(vbits), norm, books, float(scale), *integer,
             _checked_skip(skip, t),
         )
     )

@@ -792,7 +792,7 @@ void pca_split_scores(const float* q, const PCAKeys& K, int64_t b, int g, int pe
   const int half = d / 2, rank = K.rank, gdim = K.gdim;
   const int64_t n = t1 - t0;
   const uint8_t* codes = K.codes + (b * K.groups + g) * K.bh_stride;
-  const float* basis_t = K.basis_t + static_cast<int64_t>(g) * rank * gdim;
+  const float* basis_t = K.basis_t ? K.basis_t + static_cast<int64_t>(g) * rank * gdim : nullptr;  // null on the integer path
   const float* mean = K.mean + static_cast<int64_t>(g) * gdim;
   // Exact phases at the split's first key, then one float64 complex step per token.
   double* c = rot.data();
@@ -1084,8 +1084,8 @@ std::vector<torch::Tensor> dense_attention(torch::Tensor q, torch::Tensor k, tor
 }
 
 // keys: codes (B, groups, T, nbytes) u8 rows; bitpos (rank,) i32; bits (rank,) u8; qmax (rank,) f32;
-// basis_t (groups, rank, gdim) f32 with coefficient and basis scales folded in; mean (groups, gdim) f32;
-// w8, col_scale, mean8: basis_t's integer form for the VNNI rebuild, or empty tensors.
+// basis_t (groups, rank, gdim) f32 with coefficient and basis scales folded in (empty when w8 is given); mean
+// (groups, gdim) f32; w8, col_scale, mean8: basis_t's integer form for the VNNI rebuild, or empty tensors.
 // values: idx (B, kv, T, vbytes) u8 rows of vbits-bit indices; norm (B, kv, T, 1) f16 or empty;
 // books (1 or kv, entries, gsize) f32. pos0 (B,) i64: RoPE position of token 0; inv_freq (d/2,) f32.
 std::vector<torch::Tensor> pca_vq_attention(torch::Tensor q, torch::Tensor pos0, torch::Tensor inv_freq, double rope_scale,
@@ -1097,17 +1097,20 @@ std::vector<torch::Tensor> pca_vq_attention(torch::Tensor q, torch::Tensor pos0,
   pos0 = pos0.contiguous();
   const int64_t B = q.size(0), kv = q.size(1), R = q.size(2), d = q.size(3), T = codes.size(2);
   auto out = partial_outputs(q, d);
-  const int groups = static_cast<int>(basis_t.size(0));
+  // Sizes come from mean (groups, gdim) and qmax (rank,): basis_t may be empty when its integer form w8 is given.
+  const int groups = static_cast<int>(mean.size(0)), rank = static_cast<int>(qmax.numel()), gdim = static_cast<int>(mean.size(1));
   TORCH_CHECK(groups > 0 && kv % groups == 0, "kv heads must be a multiple of the PCA groups");
+  const bool integer = kInt8Rebuild && w8.numel();
+  TORCH_CHECK(integer || basis_t.numel() == static_cast<int64_t>(groups) * rank * gdim, "basis_t must be (groups, rank, gdim) unless w8 is given");
   Partials P(B * kv, R, d, split_count(T));
   if (T > 0) {
-    PCAKeys K{component_runs(bitpos.data_ptr<int32_t>(), bits.data_ptr<uint8_t>(), static_cast<int>(basis_t.size(1))), codes.data_ptr<uint8_t>(), head_stride(codes, "codes"), static_cast<int>(codes.size(3)), bitpos.data_ptr<int32_t>(),
-              qmax.data_ptr<float>(), static_cast<int>(basis_t.size(1)), bits.data_ptr<uint8_t>(), basis_t.data_ptr<float>(),
-              mean.data_ptr<float>(), groups, static_cast<int>(basis_t.size(2))};
+    PCAKeys K{component_runs(bitpos.data_ptr<int32_t>(), bits.data_ptr<uint8_t>(), rank), codes.data_ptr<uint8_t>(), head_stride(codes, "codes"), static_cast<int>(codes.size(3)), bitpos.data_ptr<int32_t>(),
+              qmax.data_ptr<float>(), rank, bits.data_ptr<uint8_t>(), basis_t.numel() ? basis_t.data_ptr<float>() : nullptr,
+              mean.data_ptr<float>(), groups, gdim};
     VQValues V{idx.data_ptr<uint8_t>(), head_stride(idx, "idx"), static_cast<int>(idx.size(3)), static_cast<int>(vbits),
                norm.numel() ? norm.data_ptr<at::Half>() : nullptr, norm.numel() ? head_stride(norm, "norm") : 0,
                books.data_ptr<float>(), static_cast<int>(books.size(0)), static_cast<int>(books.size(1)), static_cast<int>(books.size(2))};
-    if (kInt8Rebuild && w8.numel()) {
+    if (integer) {
       TORCH_CHECK(w8.dim() == 4 && w8.size(0) == groups && w8.size(2) == K.gdim && w8.size(3) == 4 && 4 * w8.size(1) >= K.rank,
                   "w8 must be (groups, ceil(rank / 4), gdim, 4)");
       K.w8 = w8.data_ptr<int8_t>();
