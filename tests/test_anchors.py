@@ -218,15 +218,34 @@ def test_decode_steps_keep_no_queries_until_a_block_leaves_the_window():
     assert layer.anchors.count == count + int(0.04 * 64)
 
 
-def test_a_prompt_codec_keeps_its_anchors_to_the_prompt():
-    """Shard's later blocks go to its stream codec's segment (int8), not the prompt's: no anchors are added there."""
+def test_a_prompt_codec_keeps_later_anchors_in_the_stream_segment():
+    """Shard's later blocks go to its stream codec's segment: their anchors are a second part of the layer's anchors
+    (the prompt's stay in the prompt's segment), each segment leaves out only its own, and attention over the layer
+    equals the reference with every anchor's original rows on every path (segmented, custom ops, fused kernels)."""
     torch.manual_seed(3)
     d = 64
-    layer = KVPackLayer(get_method("shard@anchors=4%"), 0, _Cfg(), (1.0 / (10000 ** (torch.arange(0, d, 2).float() / d)), 1.0))
-    _feed(layer, 4 + 64 * 4 + 37 + 64, planted=100)
-    index = layer.anchors.index.tolist()
-    _feed(layer, 200, planted=20)
-    assert layer.anchors.index.tolist() == index
+    layer = KVPackLayer(get_method("shard:k3v2@anchors=4%"), 0, _Cfg(), (1.0 / (10000 ** (torch.arange(0, d, 2).float() / d)), 1.0))
+    k1, v1 = _feed(layer, 4 + 64 * 4 + 37 + 64, planted=100)
+    prompt = layer.anchors.index.tolist()
+    k2, v2 = _feed(layer, 200, planted=20)
+    prefill, stream = layer.segments
+    assert (prefill.kind, stream.kind) == ("prefill", "stream") and len(layer.anchors.parts) == 2
+    later = layer.anchors.index.tolist()[len(prompt) :]
+    assert layer.anchors.index.tolist()[: len(prompt)] == prompt and len(later) == int(0.04 * 192)
+    assert 361 + 20 in later and all(stream.start <= i < stream.start + stream.length for i in later)
+    assert layer.anchors.skip_in(prefill).tolist() == [i - prefill.start for i in prompt]
+    assert layer.anchors.skip_in(stream).tolist() == [i - stream.start for i in later]
+    k0, v0 = torch.cat([k1, k2], 2), torch.cat([v1, v2], 2)
+    q = torch.randn(2, 6, 1, d)
+    ref = _reference(layer, k0, v0, q, d**-0.5)
+    outs = {"segmented": segmented_attention(layer, q, None, d**-0.5)}
+    outs["ops"] = ungroup(_ops_decode(layer, group_query(q, layer.kv_heads), q, d**-0.5), q.shape[1])
+    if kernels.available():
+        outs["fused"] = fused_decode(layer, q, d**-0.5)
+    for path, out in outs.items():
+        torch.testing.assert_close(out, ref, atol=2e-4, rtol=1e-3, msg=lambda m, path=path: f"{path}: {m}")
+    layer.truncate(stream.start + 10)  # a crop inside the stream keeps the prompt's part whole
+    assert layer.anchors.index.tolist() == prompt + [i for i in later if i < stream.start + 10]
 
 
 def test_crop_drops_anchors_past_the_cut_and_attention_stays_exact():
@@ -256,7 +275,7 @@ def test_memory_counts_the_anchors_bytes():
     layer, _, _, _ = _anchored_layer("turboquant:k3v2")
     a = layer.anchors
     b, hk, h, d = a.k.shape
-    codes = sum(t.numel() * t.element_size() for t in (*a.keys.tensors(), *a.values.tensors()))
+    codes = sum(t.numel() * t.element_size() for p in a.parts for t in (*p.keys.tensors(), *p.values.tensors()))
     assert layer.memory()["anchors"] == 2 * b * hk * h * d * 2 + h * 8 + codes  # fp16 rows, int64 index, gathered codes
 
 

@@ -208,6 +208,27 @@ def test_device_decode_path_through_custom_ops(monkeypatch, backend, method):
         assert ops.implementation("tq_attention", q.device).__module__.endswith("triton_attention")
         torch.testing.assert_close(attention.fused_decode(layer, q, d**-0.5), out)
 
+def test_shard_ops_path_after_the_cpu_kernel_dropped_the_float_basis(monkeypatch):
+    """The CPU kernel's integer rebuild drops the PCA codec's float basis from its kernel state (memory_report
+    counts what a codec holds); the custom-op path (a GPU's, here its torch backend) run on the same layer afterwards
+    derives it again and still matches attention over the dequantized cache."""
+    from kvpack import attention, kernels
+    from kvpack.codecs.base import group_query, ungroup
+    from kvpack.kernels import cpu_lut, ops
+
+    if not (kernels.available() and cpu_lut.int8_rebuild()):
+        pytest.skip("no CPU integer rebuild on this machine: the float basis is never dropped")
+    layer, q = _one_decode_step("shard", 3, 4 + 64 * 5 + 37, seed=5)
+    d, hk = q.shape[-1], layer.kv_heads
+    expected = _reference_attention(layer, q, d**-0.5)
+    torch.testing.assert_close(attention.fused_decode(layer, q, d**-0.5), expected, atol=2e-4, rtol=1e-3)
+    prompt = next(seg for seg in layer.segments if seg.key_codec.kernel_kind == "pca")
+    assert prompt.key_codec.kernel_state()["basis_t"].numel() == 0
+    monkeypatch.setattr(ops, "_override", ops.Backend("torch"))
+    out = ungroup(attention._ops_decode(layer, group_query(q, hk), q, d**-0.5), q.shape[1])
+    torch.testing.assert_close(out, expected, atol=2e-4, rtol=1e-3)
+
+
 def test_memory_report_matches_hand_count():
     torch.manual_seed(0)
     b, hk, d = 1, 2, 64

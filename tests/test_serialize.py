@@ -90,11 +90,10 @@ def _snapshot(cache) -> dict:
             out[f"{i}.{j}"] = (seg.kind, seg.start, seg.length, type(seg.keys), type(seg.values))
             for side, packed in (("k", seg.keys), ("v", seg.values)):
                 out.update({f"{i}.{j}.{side}.{f.name}": getattr(packed, f.name) for f in dataclasses.fields(packed)})
-        if layer.anchors is not None:
-            a = layer.anchors
-            out[f"{i}.anchors"] = (a.index, a.k, a.v, a.source_kind, type(a.key_codec), type(a.value_codec))
+        for n, a in enumerate(layer.anchors.parts if layer.anchors is not None else ()):  # one part per segment holding some
+            out[f"{i}.anchors.{n}"] = (a.index, a.k, a.v, a.source_kind, type(a.key_codec), type(a.value_codec))
             for side, packed in (("k", a.keys), ("v", a.values)):
-                out.update({f"{i}.anchors.{side}.{f.name}": getattr(packed, f.name) for f in dataclasses.fields(packed)})
+                out.update({f"{i}.anchors.{n}.{side}.{f.name}": getattr(packed, f.name) for f in dataclasses.fields(packed)})
         out[f"{i}.dequantized"] = layer.dequantized()  # every codec's full state (seeded rotations included) at work
     return out
 
@@ -118,7 +117,7 @@ def _assert_same_state(a, b) -> None:
 
 
 # -- round trips -------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("method", [*kvpack.list_methods(), "turboquant:k3v2@anchors=5%", "shard@anchors=5%"])
+@pytest.mark.parametrize("method", [*kvpack.list_methods(), "turboquant:k3v2@anchors=5%", "shard@anchors=5%", "shard:k3v2@anchors=5%"])
 def test_round_trip_is_bit_exact_and_generation_continues_identically(tiny, method, tmp_path):
     cache, seq = _filled(tiny, method)
     assert ("@anchors=" in method) == all(layer.anchors is not None for layer in cache.compressed_layers())

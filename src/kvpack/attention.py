@@ -185,8 +185,9 @@ def _ops_decode(layer: KVPackLayer, q: torch.Tensor, query: torch.Tensor, scalin
         part = fused.ops_segment_partial(q, seg, scaling, _first_position(layer, seg))
         if part is None:
             part = _codec_partial(layer, seg, query, scaling)  # leaves the anchors out itself
-        elif a is not None and a.skip_in(seg) is not None:  # the op counted the anchors' codes: cancel them
-            parts.append(_negated(fused.ops_segment_partial(q, a, scaling) or _codec_partial(layer, a, query, scaling)))
+        elif a is not None and a.part_in(seg) is not None:  # the op counted the anchors' codes: cancel them
+            held = a.part_in(seg)
+            parts.append(_negated(fused.ops_segment_partial(q, held, scaling) or _codec_partial(layer, held, query, scaling)))
             kinds.append(seg.kind)
         parts.append(part)
         kinds.append(seg.kind)

@@ -6,7 +6,9 @@ does not (docs/decisions.md). At the prompt's flush the layer ranks its compress
 attention its last queries paid them (`primitives.attention_mass`) and keeps the top
 `MethodConfig.anchors` fraction in the exact dtype; each later flush does the same for its block with
 the queries of the forward that flushes it (a chunk's, or a decode step's), so a long generation or a
-chunked prompt keeps the same fraction of anchors over all of its tokens.
+chunked prompt keeps the same fraction of anchors over all of its tokens. A method with a prompt codec
+(Shard) holds the prompt's anchors in the prompt's segment and later blocks' in the stream's: a layer's
+`AnchorSet` has one `Anchors` per segment that holds some.
 
 Their codes stay in the segment, so the segment's run, crop and save are unchanged. Attention reads
 the exact anchors as one more part, and the segment's part leaves their codes out: the CPU kernels
@@ -19,6 +21,7 @@ codes, so the cancellation holds to float32 rounding for any per-token codec.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
@@ -115,4 +118,91 @@ class Anchors:
         """`full (b, kv, length, d)`, a layer's decoded keys or values, with the anchors' exact rows written in (in place)."""
         exact = self.k if side == "key" else self.v
         full[:, :, self.index.to(full.device)] = exact.to(full.dtype)
+        return full
+
+
+@dataclasses.dataclass(frozen=True)
+class AnchorSet:
+    """A layer's anchors over one or more segments: one `Anchors` per segment that holds some, in token order.
+
+    A method with a prompt codec (Shard) holds the prompt's anchors in the prompt's segment and later blocks' in the
+    stream's; every other method has one part. Reading it as one exact part (`index`, `k`, `v`) and leaving each
+    segment's own anchors out of that segment (`skip_in`) is what attention does with it.
+    """
+
+    parts: tuple[Anchors, ...]
+
+    @classmethod
+    def of(cls, seg, index: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> AnchorSet:
+        return cls((Anchors.gather(seg, index, k, v),))
+
+    @classmethod
+    def gather(cls, segments, index: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> AnchorSet:
+        """Anchors at ascending logical `index (h,)`, each inside one of `segments`; ValueError when one lies in none."""
+        parts, done = [], 0
+        for seg in segments:
+            inside = int(((index >= seg.start) & (index < seg.start + seg.length)).sum())
+            if inside:
+                rows = slice(done, done + inside)
+                parts.append(Anchors.gather(seg, index[rows], k[:, :, rows], v[:, :, rows]))
+                done += inside
+        if done != index.numel():
+            raise ValueError(f"anchors {index.tolist()} are not ascending tokens of the compressed segments")
+        return cls(tuple(parts))
+
+    def add(self, seg, index: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> AnchorSet:
+        """These anchors and tokens `index (h,)` of segment `seg`, after all of them: the last part grows, or `seg` starts one."""
+        last = self.parts[-1]
+        if last.skip_in(seg) is not None:
+            return AnchorSet((*self.parts[:-1], last.extend(seg, index, k, v)))
+        return AnchorSet((*self.parts, Anchors.gather(seg, index, k, v)))
+
+    @functools.cached_property
+    def index(self) -> torch.Tensor:
+        return self.parts[0].index if len(self.parts) == 1 else torch.cat([p.index for p in self.parts])
+
+    @functools.cached_property
+    def k(self) -> torch.Tensor:
+        return self.parts[0].k if len(self.parts) == 1 else torch.cat([p.k for p in self.parts], 2)
+
+    @functools.cached_property
+    def v(self) -> torch.Tensor:
+        return self.parts[0].v if len(self.parts) == 1 else torch.cat([p.v for p in self.parts], 2)
+
+    @property
+    def count(self) -> int:
+        return sum(p.count for p in self.parts)
+
+    def part_in(self, seg) -> Anchors | None:
+        """The anchors segment `seg` holds, or None."""
+        return next((p for p in self.parts if p.skip_in(seg) is not None), None)
+
+    def skip_in(self, seg) -> torch.Tensor | None:
+        """Offsets `(h,)` int64 of the anchors inside segment `seg`, or None when it holds none."""
+        part = self.part_in(seg)
+        return None if part is None else part.skip_in(seg)
+
+    def _each(self, fn) -> AnchorSet | None:
+        parts = tuple(q for q in (fn(p) for p in self.parts) if q is not None)
+        return AnchorSet(parts) if parts else None
+
+    def truncate(self, keep: int) -> AnchorSet | None:
+        """Those among the first `keep` logical tokens (crop)."""
+        return self._each(lambda p: p.truncate(keep))
+
+    def without(self, start: int, stop: int) -> AnchorSet | None:
+        """All but those in tokens [start, stop) (their codes were evicted)."""
+        return self._each(lambda p: p.without(start, stop))
+
+    def map(self, fn) -> AnchorSet:
+        """`fn` on every batch-leading tensor of every part."""
+        return AnchorSet(tuple(p.map(fn) for p in self.parts))
+
+    def nbytes(self) -> int:
+        return sum(p.nbytes() for p in self.parts)
+
+    def overwrite(self, full: torch.Tensor, side: str) -> torch.Tensor:
+        """`full (b, kv, length, d)` with every part's exact rows written in (in place)."""
+        for p in self.parts:
+            full = p.overwrite(full, side)
         return full

@@ -21,7 +21,7 @@ from ..primitives.attention_mass import most_attended, received_attention
 from ..primitives.validation import DEBUG, checks_values, count_non_finite
 from ..registry import EXACT_DTYPES, CodecSpec, MethodConfig
 from . import budget
-from .anchors import Anchors
+from .anchors import AnchorSet
 from .blocks import BlockRun
 
 # The layer whose update kvpack attention must read next, per thread: if the model's attention finds
@@ -164,7 +164,7 @@ class KVPackLayer(CacheLayerMixin):
         # (codecs with `fits_on_queries`, e.g. Shard's PCA choosing its rank by score error).
         self.fit_queries: torch.Tensor | None = None
         self.fit_scaling: float | None = None  # the attention scale those queries were read with
-        self.anchors: Anchors | None = None  # compressed tokens kept exact beside their codes (MethodConfig.anchors)
+        self.anchors: AnchorSet | None = None  # compressed tokens kept exact beside their codes (MethodConfig.anchors)
         self.anchor_credit = 0.0  # anchors owed to the blocks flushed since the prompt (a fraction of a token carries over)
         # (start, tokens, segment kind) of compressed tokens evicted to keep a memory budget (kvpack.cache.budget)
         self.evicted: tuple[tuple[int, int, str], ...] = ()
@@ -476,18 +476,15 @@ class KVPackLayer(CacheLayerMixin):
         return most_attended(mass[:, lo : lo + n], count).to(self.win_k.device)
 
     def _anchors_later(self) -> bool:
-        """Whether blocks flushed after the prompt get anchors: not with a prompt codec, whose segment holds the
-        prompt's anchors while later blocks go to the stream codec's segment."""
-        return bool(self.method.anchors) and self.method.prefill_key is None
+        """Whether blocks flushed after the prompt get anchors: whenever the method keeps anchors (with a prompt
+        codec, later blocks' anchors sit in the stream segment, a second part of the `AnchorSet`)."""
+        return bool(self.method.anchors)
 
     def _add_anchors(self, index: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Keep tokens `index (h,)` (just compressed, after every current anchor) exact, with rows `k`, `v` `(b, kv, h, d)`."""
         first = int(index[0])
         seg = next(seg for seg in self.segments if seg.start <= first < seg.start + seg.length)
-        if self.anchors is None:
-            self.anchors = Anchors.gather(seg, index, k, v)
-        elif self.anchors.skip_in(seg) is not None:  # one segment holds every anchor (a prompt codec's segment ends at the prompt)
-            self.anchors = self.anchors.extend(seg, index, k, v)
+        self.anchors = AnchorSet.of(seg, index, k, v) if self.anchors is None else self.anchors.add(seg, index, k, v)
 
     def store(self, kind: str, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
         """Encode tokens [start, start + n) with `kind`'s codecs, appending to the segment that ends at `start`."""

@@ -34,7 +34,7 @@ from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from ..codecs.base import Packed
 from ..registry import CODECS, CodecSpec, LayerCodecs, MethodConfig, Tier, get_method
-from .anchors import Anchors
+from .anchors import AnchorSet
 from .kvcache import KVCache, _rope_per_layer, _text_config, layer_kinds
 from .layer import KVPackLayer, Segment
 
@@ -326,17 +326,19 @@ def _restore_kvpack_layer(layer: KVPackLayer, entry: dict, tensors: _Tensors, pa
     layer.anchor_credit = float(entry.get("anchor_credit", 0.0))
 
 
-def _load_anchors(layer: KVPackLayer, count: int, tensors: _Tensors, path: Path) -> Anchors:
-    """The anchors' exact rows, checked, with their codes gathered again from the one segment that holds them all."""
+def _load_anchors(layer: KVPackLayer, count: int, tensors: _Tensors, path: Path) -> AnchorSet:
+    """The anchors' exact rows, checked, with their codes gathered again from the segments that hold them."""
     b, h = layer.batch, layer.kv_heads
     index = _checked(tensors.get("anchors.index"), (count,), torch.long, f"{tensors.prefix}.anchors.index", path)
     k = _checked(tensors.get("anchors.k"), (b, h, count, layer.head_dim), layer.exact_dtype, f"{tensors.prefix}.anchors.k", path)
     v = _checked(tensors.get("anchors.v"), (b, h, count, layer.v_head_dim), layer.exact_dtype, f"{tensors.prefix}.anchors.v", path)
-    first, last = (int(index.min()), int(index.max())) if count else (0, -1)
-    seg = next((s for s in layer.segments if s.start <= first and last < s.start + s.length), None)
-    if not count or seg is None or not bool((index[1:] > index[:-1]).all()):
-        raise CacheFileError(_corrupted_message(path, f"{tensors.prefix}: its anchors {index.tolist()} are not ascending tokens of one compressed segment"))
-    return Anchors.gather(seg, index, k, v)
+    bad = f"{tensors.prefix}: its anchors {index.tolist()} are not ascending tokens of its compressed segments"
+    if not count or not bool((index[1:] > index[:-1]).all()):
+        raise CacheFileError(_corrupted_message(path, bad))
+    try:
+        return AnchorSet.gather(layer.segments, index, k, v)
+    except ValueError:
+        raise CacheFileError(_corrupted_message(path, bad)) from None
 
 
 def _load_packed(entry: dict, tensors: _Tensors, prefix: str, batch: int, path: Path) -> Packed:
