@@ -173,6 +173,19 @@ def _feed(layer: KVPackLayer, n: int, planted: int, gqa: int = 3) -> tuple[torch
     return k, v
 
 
+def _assert_every_path_exact(layer, k0: torch.Tensor, v0: torch.Tensor, d: int) -> None:
+    """A decode step's attention on every path (segmented, custom ops, fused kernels) equals the reference over the
+    layer's dequantized cache with every anchor's original rows `k0`, `v0` `(b, kv, t, d)`."""
+    q = torch.randn(2, 6, 1, d)
+    ref = _reference(layer, k0, v0, q, d**-0.5)
+    outs = {"segmented": segmented_attention(layer, q, None, d**-0.5)}
+    outs["ops"] = ungroup(_ops_decode(layer, group_query(q, layer.kv_heads), q, d**-0.5), q.shape[1])
+    if kernels.available():
+        outs["fused"] = fused_decode(layer, q, d**-0.5)
+    for path, out in outs.items():
+        torch.testing.assert_close(out, ref, atol=2e-4, rtol=1e-3, msg=lambda m, path=path: f"{path}: {m}")
+
+
 def test_later_flushes_keep_anchors_where_their_own_queries_look():
     """After the prompt, each flush keeps the method's fraction of the block it compresses (a fraction of a token owed
     to the next block), ranked by the queries of the forward that flushes it: a second chunk's planted token becomes an
@@ -191,15 +204,7 @@ def test_later_flushes_keep_anchors_where_their_own_queries_look():
     assert layer.anchor_credit == pytest.approx(0.04 * flushed - len(later))
     assert 361 + 20 in later and all(start <= i < start + flushed for i in later)
     assert layer.fit_queries is None  # a forward's queries are dropped once its flush has used them
-    k0, v0 = torch.cat([k1, k2], 2), torch.cat([v1, v2], 2)
-    q = torch.randn(2, 6, 1, d)
-    ref = _reference(layer, k0, v0, q, d**-0.5)
-    outs = {"segmented": segmented_attention(layer, q, None, d**-0.5)}
-    outs["ops"] = ungroup(_ops_decode(layer, group_query(q, layer.kv_heads), q, d**-0.5), q.shape[1])
-    if kernels.available():
-        outs["fused"] = fused_decode(layer, q, d**-0.5)
-    for path, out in outs.items():
-        torch.testing.assert_close(out, ref, atol=2e-4, rtol=1e-3, msg=lambda m, path=path: f"{path}: {m}")
+    _assert_every_path_exact(layer, torch.cat([k1, k2], 2), torch.cat([v1, v2], 2), d)
 
 
 def test_decode_steps_keep_no_queries_until_a_block_leaves_the_window():
@@ -235,15 +240,7 @@ def test_a_prompt_codec_keeps_later_anchors_in_the_stream_segment():
     assert 361 + 20 in later and all(stream.start <= i < stream.start + stream.length for i in later)
     assert layer.anchors.skip_in(prefill).tolist() == [i - prefill.start for i in prompt]
     assert layer.anchors.skip_in(stream).tolist() == [i - stream.start for i in later]
-    k0, v0 = torch.cat([k1, k2], 2), torch.cat([v1, v2], 2)
-    q = torch.randn(2, 6, 1, d)
-    ref = _reference(layer, k0, v0, q, d**-0.5)
-    outs = {"segmented": segmented_attention(layer, q, None, d**-0.5)}
-    outs["ops"] = ungroup(_ops_decode(layer, group_query(q, layer.kv_heads), q, d**-0.5), q.shape[1])
-    if kernels.available():
-        outs["fused"] = fused_decode(layer, q, d**-0.5)
-    for path, out in outs.items():
-        torch.testing.assert_close(out, ref, atol=2e-4, rtol=1e-3, msg=lambda m, path=path: f"{path}: {m}")
+    _assert_every_path_exact(layer, torch.cat([k1, k2], 2), torch.cat([v1, v2], 2), d)
     layer.truncate(stream.start + 10)  # a crop inside the stream keeps the prompt's part whole
     assert layer.anchors.index.tolist() == prompt + [i for i in later if i < stream.start + 10]
 
