@@ -272,16 +272,17 @@ def test_shard_value_codebook_sizes():
         assert codec.config.codebook_size == size and codec.bits == (size - 1).bit_length()
 
 
-def test_shard_k3v2_stream_is_turboquant_k3v2():
-    """`shard:k3v2` codes the tokens after the prompt with `turboquant:k3v2`'s own key and value codecs (3 and 2 bits,
-    keys centered and channel-scaled), while the prompt keeps Shard's PCA keys and VQ values."""
+def test_shard_turboquant_streams_are_the_turboquant_methods():
+    """`shard:k3v2` / `shard:k4v2` code the tokens after the prompt with `turboquant:k3v2`'s / `k4v2`'s own key and
+    value codecs (keys centered and channel-scaled), while the prompt keeps Shard's PCA keys and VQ values."""
     from kvpack.registry import get_method
 
-    config, tq = get_method("shard:k3v2+e1"), get_method("turboquant:k3v2")
-    assert (config.key, config.value) == (tq.key, tq.value)
-    assert config.prefill_key.codec == "pca" and config.prefill_value.codec == "vq"
-    codecs = config.key.build(64, 2), config.value.build(64, 2)
-    assert [c.config.bits for c in codecs] == [3, 2]
+    for stream, bits in (("k3v2", [3, 2]), ("k4v2", [4, 2])):
+        config, tq = get_method(f"shard:{stream}+e1"), get_method(f"turboquant:{stream}")
+        assert (config.key, config.value) == (tq.key, tq.value) and config.name == f"shard:{stream}+e1"
+        assert config.prefill_key.codec == "pca" and config.prefill_value.codec == "vq"
+        codecs = config.key.build(64, 2), config.value.build(64, 2)
+        assert [c.config.bits for c in codecs] == bits
 
 
 def test_shard_key_score_error_names():

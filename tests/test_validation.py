@@ -49,7 +49,7 @@ def llama():
         ("qjl:0", r"qjl takes a sketch ratio"),
         ("kivi:3", r"kivi takes 2 or 4 bits \(kivi:2, kivi:4\), got '3'"),
         ("turboquant:k5v2", r"turboquant takes 'kXvY'"),
-        ("shard:zip", r"shard takes a decode-stream codec in \['fp16', 'int8', 'k3v2', 'tq4'\]"),
+        ("shard:zip", r"shard takes a decode-stream codec in \['fp16', 'int8', 'k3v2', 'k4v2', 'tq4'\]"),
         ("shard:vq100", r"shard's value codebook vqN takes N in \(16, 32, 64, 128, 256\), got 'vq100'"),
         ("shard:vq64+vq32", r"shard takes a decode-stream codec .*, a value codebook vqN .* each at most once"),
         ("shard:e4", r"shard's key score error eN takes N in \('0.5', '1', '2', '3', '5'\) \(percent\), got 'e4'"),

@@ -412,10 +412,10 @@ def _shard(arg: str) -> MethodConfig:
     (256 by default: 2 bits per value; `vq64`, 1.5 bits, takes Shard past 10x at 8K), eN the key rank: the smallest
     that keeps the relative score error of the prompt's queries within N% (3 by default; `e1` holds Gemma-3's few
     global layers within +1%, docs/shard.md)."""
-    # k3v2: the default's TurboQuant pair, so tokens generated after the prompt stay at >= 5x too.
-    tq = get_method("turboquant:k3v2")
+    # k3v2: the default's TurboQuant pair, so tokens generated after the prompt stay at >= 5x too; k4v2 its 4-bit keys.
+    tq, tq4 = get_method("turboquant:k3v2"), get_method("turboquant:k4v2")
     stream = {"": (CodecSpec("int8"),) * 2, "int8": (CodecSpec("int8"),) * 2, "tq4": (CodecSpec("turboquant", {"bits": 4}),) * 2,
-              "fp16": (CodecSpec("fp16"),) * 2, "k3v2": (tq.key, tq.value)}
+              "fp16": (CodecSpec("fp16"),) * 2, "k3v2": (tq.key, tq.value), "k4v2": (tq4.key, tq4.value)}
     parts = [p for p in arg.split("+") if p] if arg else []
     books = [p for p in parts if p.startswith("vq")]
     errors = [p for p in parts if p.startswith("e")]
