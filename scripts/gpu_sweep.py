@@ -1,5 +1,6 @@
 """Kernel-only times of the Triton decode-attention kernels under other tile sizes, warps and dot precisions,
-against SDPA over bf16 K/V at the same shape (docs/gpu.md): which knob a GPU's time follows.
+against SDPA over bf16 K/V at the same shape (docs/gpu.md): which knob a GPU's time follows. The "old" variant is
+the kernels as first measured (float32 dots at tf32x3, codes unpacked one by one), timed in the same process.
 
     python scripts/gpu_sweep.py --out bench/results/gpu/sweep.json
 
@@ -18,30 +19,40 @@ from kvpack.bench.env import environment
 from kvpack.kernels import triton_attention
 from kvpack.primitives.lloyd_max import lloyd_max_codebook
 
-VARIANTS = {  # name: _Plan attributes replaced
+VARIANTS = {  # name: _Plan attributes replaced ("split_factor" scales the split count)
     "base": {},
-    "tf32": {"precision": "tf32"},
-    "ieee": {"precision": "ieee"},
+    "old": {"f16": False, "grouped": False},  # the kernels before fp16 dots and grouped unpacking (docs/gpu.md)
+    "f32dots": {"f16": False},
+    "per-code": {"grouped": False},
     "t32": {"block_t": 32},
     "t128": {"block_t": 128},
-    "w2": {"num_warps": 2},
     "w8": {"num_warps": 8},
-    "tf32-t128-w8": {"precision": "tf32", "block_t": 128, "num_warps": 8},
+    "t128-w8": {"block_t": 128, "num_warps": 8},
+    "splits/2": {"split_factor": 0.5},
+    "splits/4": {"split_factor": 0.25},
 }
-SHAPES = {"b32-kv8-g4-d128": (32, 8, 4, 128), "b1-kv2-g7-d64": (1, 2, 7, 64)}  # batch, kv heads, query rows per kv head, head_dim
+SHAPES = {  # batch, kv heads, query rows per kv head, head_dim
+    "b32-kv8-g4-d128": (32, 8, 4, 128), "b1-kv2-g7-d64": (1, 2, 7, 64), "b32-kv2-g7-d64": (32, 2, 7, 64), "b1-kv8-g4-d128": (1, 8, 4, 128),
+}
+
+
+SDPA = torch.nn.functional.scaled_dot_product_attention
 
 
 def _patched_plan(overrides: dict):
-    """A `_Plan.__init__` that applies `overrides`, re-deriving the split length for another token tile."""
+    """A `_Plan.__init__` that applies `overrides`, re-deriving the split length for another token tile or split count."""
     original = triton_attention._Plan.__init__
 
     def init(self, q, t, d, dv, num_splits):
         original(self, q, t, d, dv, num_splits)
-        for name, value in overrides.items():
+        overrides_ = dict(overrides)
+        factor = overrides_.pop("split_factor", 1.0)
+        for name, value in overrides_.items():
             setattr(self, name, value)
-        if "block_t" in overrides:
+        if "block_t" in overrides_ or factor != 1.0:
             tiles = triton.cdiv(t, self.block_t)
-            split_tiles = triton.cdiv(tiles, max(1, min(self.splits, tiles)))
+            splits = max(1, round(self.splits * factor))
+            split_tiles = triton.cdiv(tiles, max(1, min(splits, tiles)))
             self.split_len = split_tiles * self.block_t
             self.splits = triton.cdiv(t, self.split_len)
 
@@ -81,9 +92,12 @@ def main() -> None:
         q, k, v = data["sdpa"]
         hk = k.shape[1]
         folded = q.reshape(q.shape[0], hk, -1, q.shape[-1])
-        sdpa = bench(lambda q=folded, k=k, v=v: torch.nn.functional.scaled_dot_product_attention(q, k, v), args.device)
-        rows.append({"shape": shape, "kernel": "sdpa-bf16", "variant": "folded", "ms": sdpa})
-        print(f"{shape:18s} sdpa-bf16 {sdpa:8.4f} ms", flush=True)
+        timed = {"folded": bench(lambda q=folded, k=k, v=v: SDPA(q, k, v), args.device),
+                 "enable_gqa": bench(lambda q=q, k=k, v=v: SDPA(q, k, v, enable_gqa=True), args.device)}
+        for variant, ms in timed.items():
+            rows.append({"shape": shape, "kernel": "sdpa-bf16", "variant": variant, "ms": ms})
+            print(f"{shape:18s} sdpa-bf16 {variant:10s} {ms:8.4f} ms", flush=True)
+        sdpa = min(timed.values())  # the faster SDPA form is the baseline
         for kernel, fn in (("tq", triton_attention.tq_attention), ("int8", triton_attention.int8_attention)):
             _, denom, o = fn(**data[kernel])
             base = o / denom  # each variant's output against the shipped configuration's

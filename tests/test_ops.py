@@ -370,7 +370,9 @@ def test_triton_backend_runs_the_interpreter_on_cpu(fresh_dispatch):
     x = int8_inputs(64, 4, t=40)
     fn = ops.implementation("int8_attention", torch.device("cpu"))
     assert fn.__module__.endswith("triton_attention")
-    assert_partial_close(ops.int8_attention(**x), reference.int8_attention(**x))
+    exact, low = reference.int8_attention(**x), reference.int8_attention(**x, compute_dtype=torch.float16)
+    for out, e, lo in zip(ops.int8_attention(**x), exact, low, strict=True):  # fp16 dot operands: fp16's error at most
+        assert (out - e).abs().max() <= 2 * (lo - e).abs().max()
 
 
 def test_run_triton_on_cpu_needs_the_interpreter(monkeypatch):

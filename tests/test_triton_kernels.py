@@ -25,7 +25,8 @@ import pytest
 import torch
 
 try:
-    import triton  # noqa: F401
+    import triton
+    import triton.language as tl
 except ImportError as e:  # CI installs triton and sets KVPACK_REQUIRE_TRITON=1: there a missing one fails
     if os.environ.get("KVPACK_REQUIRE_TRITON") == "1":
         raise RuntimeError(f"KVPACK_REQUIRE_TRITON=1 but triton does not import: {e}") from e
@@ -91,6 +92,46 @@ TQ_CASES = [  # head_dim, GQA group, query tokens, key bits, value bits, splits
 def test_tq_attention(d, group, q_len, k_bits, v_bits, splits):
     args = tq_inputs(d, group * q_len, k_bits, v_bits) | {"bias": make_bias(B, q_len, T)}
     assert_within_low_precision("tq_attention", on_device(run_triton, "tq_attention", **args, num_splits=splits), args)
+
+
+@triton.jit
+def _codes_kernel(src, out, T, C: tl.constexpr, BITS: tl.constexpr, NBYTES: tl.constexpr,
+                  BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, GROUPED: tl.constexpr):
+    toks, cols, groups = tl.arange(0, BLOCK_T), tl.arange(0, BLOCK_C), tl.arange(0, BLOCK_C // 8)
+    code = triton_attention._codes(src + toks[:, None] * NBYTES, cols, groups, toks < T, C, BITS, NBYTES, BLOCK_T, BLOCK_C, GROUPED)
+    tl.store(out + toks[:, None] * C + cols[None, :], code, mask=(toks < T)[:, None] & (cols < C)[None, :])
+
+
+@in_process
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("c,grouped", [(64, True), (80, True), (80, False), (36, False)])
+def test_code_unpacking_by_groups_and_by_code(bits, c, grouped):
+    """The kernels' two unpackers (8-code groups: b byte loads; per code: one or two) against packing.py's
+    torch unpack, on random bytes of 37 tokens (a partial tile)."""
+    from kvpack.primitives.packing import packed_length, unpack_bits
+
+    nbytes, t = packed_length(c, bits), 37
+    packed = torch.randint(0, 256, (t, nbytes), generator=torch.Generator().manual_seed(bits * c), dtype=torch.uint8)
+    out = to_device(torch.full((t, c), -1, dtype=torch.int32))
+    _codes_kernel[(1,)](to_device(packed), out, t, C=c, BITS=bits, NBYTES=nbytes, BLOCK_T=64,
+                        BLOCK_C=triton.next_power_of_2(c), GROUPED=grouped)
+    assert torch.equal(out.cpu(), unpack_bits(packed, bits, c).to(torch.int32))
+
+
+@in_process
+@pytest.mark.parametrize("op", ["tq_attention", "int8_attention"])
+def test_float32_dots_and_per_code_unpacking(op, monkeypatch):
+    """The paths the defaults leave (float32 dots at the plan's precision, per-code unpacking), still held to
+    the same bound: the GPU sweep (scripts/gpu_sweep.py) times them against the defaults."""
+    init = triton_attention._Plan.__init__
+
+    def plain(self, *a, **k):
+        init(self, *a, **k)
+        self.f16, self.grouped = False, False
+
+    monkeypatch.setattr(triton_attention._Plan, "__init__", plain)
+    args = (tq_inputs(96, 8, 3, 2) if op == "tq_attention" else int8_inputs(96, 8)) | {"bias": make_bias(B, 2, T)}
+    assert_within_low_precision(op, on_device(run_triton, op, **args, num_splits=3), args)
 
 
 @in_process

@@ -174,13 +174,16 @@ def fused_decode(layer: KVPackLayer, query: torch.Tensor, scaling: float) -> tor
 
 def _ops_decode(layer: KVPackLayer, q: torch.Tensor, query: torch.Tensor, scaling: float) -> torch.Tensor:
     """The decode step through the device-dispatched custom ops; codecs without an op use their own math."""
+    a = layer.anchors
     exact = [(kind, k, v) for kind, k, v in (("sink", layer.sink_k, layer.sink_v), ("window", layer.win_k, layer.win_v)) if k.shape[2]]
+    if a is not None:
+        exact.append((anchors.KIND, a.k, a.v))
+    if layer.tracker is None and len(exact) > 1:
+        # One partial over all exact rows (a few hundred at most): on a GPU each partial is ~9 kernel launches
+        # and a batch-1 decode step is bound by launches (docs/gpu.md), so two copies beat two partials.
+        exact = [("exact", torch.cat([k for _, k, _ in exact], 2), torch.cat([v for _, _, v in exact], 2))]
     parts = [fused.ops_exact_partial(q, k, v, scaling) for _, k, v in exact]
     kinds = [kind for kind, _, _ in exact]
-    a = layer.anchors
-    if a is not None:
-        parts.append(fused.ops_exact_partial(q, a.k, a.v, scaling))
-        kinds.append(anchors.KIND)
     for seg in layer.segments:
         part = fused.ops_segment_partial(q, seg, scaling, _first_position(layer, seg))
         if part is None:

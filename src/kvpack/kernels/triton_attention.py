@@ -39,6 +39,41 @@ def _unpack(row_ptrs, cols, mask, BITS: tl.constexpr, NBYTES: tl.constexpr):
 
 
 @triton.jit
+def _unpack_groups(row_ptrs, groups, mask, BITS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr):
+    """b-bit codes of 8-code groups `groups (1, BG)` of LSB-first packed rows `row_ptrs (BT, 1)` -> int32 (BT, 8·BG).
+
+    Eight b-bit codes fill exactly b bytes, so a group is b byte loads and eight shifts: b/8 loads per code
+    instead of the one or two of `_unpack`, and the address arithmetic is per group, not per code. Loads and
+    address math were what bounded the per-code version on an H200 (docs/gpu.md). Needs d % 8 == 0."""
+    word = tl.zeros([BLOCK_T, BLOCK_G], tl.int64 if BITS > 4 else tl.int32)
+    for i in tl.static_range(BITS):
+        byte = tl.load(row_ptrs + groups * BITS + i, mask=mask, other=0)
+        word = word | (byte.to(word.dtype) << (8 * i))
+    # (an arithmetic shift of a word with its top bit set only smears ones above the mask)
+    codes = (word[:, :, None] >> (tl.arange(0, 8) * BITS)[None, None, :]) & ((1 << BITS) - 1)
+    return tl.reshape(codes.to(tl.int32), (BLOCK_T, BLOCK_G * 8))
+
+
+@triton.jit
+def _codes(row_ptrs, cols, groups, tok_ok, C: tl.constexpr, BITS: tl.constexpr, NBYTES: tl.constexpr,
+           BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, GROUPED: tl.constexpr):
+    """The (BT, BLOCK_C) int32 codes of C channels, by 8-code groups when C % 8 == 0 (GROUPED), else per code."""
+    if GROUPED:
+        return _unpack_groups(row_ptrs, groups[None, :], tok_ok[:, None] & (groups[None, :] < C // 8), BITS, BLOCK_T, BLOCK_C // 8)
+    else:
+        return _unpack(row_ptrs, cols[None, :], tok_ok[:, None] & (cols[None, :] < C), BITS, NBYTES)
+
+
+@triton.jit
+def _scaled_fp16(q):
+    """Rows of q divided by their largest magnitude, in float16, and that magnitude: fp16 tensor-core operands
+    that cannot overflow whatever the query's scale (fp16 rounding is relative, so nothing else is lost)."""
+    amax = tl.max(tl.abs(q), 1)
+    amax = tl.where(amax > 0, amax, 1.0)
+    return (q / amax[:, None]).to(tl.float16), amax
+
+
+@triton.jit
 def _finish_scores(s, b, h, rows, toks, row_ok, tok_ok, scale, softcap,
                    bias_ptr, sb_b, sb_h, sb_r, sb_t, bias_rows,
                    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
@@ -88,7 +123,7 @@ def _tq_attention_kernel(
     KBYTES: tl.constexpr, VBYTES: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     HAS_OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, FINAL: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, F16: tl.constexpr, GROUPED: tl.constexpr,
 ):
     pid_bh = tl.program_id(0).to(tl.int64)
     b, h = pid_bh // H, pid_bh % H
@@ -98,8 +133,12 @@ def _tq_attention_kernel(
     dv = tl.arange(0, BLOCK_DV)
     q = tl.load(q_ptr + b * sq_b + h * sq_h + rows[:, None] * sq_r + dk[None, :],
                 mask=row_ok[:, None] & (dk[None, :] < D), other=0.0).to(tl.float32)  # (BR, BD)
+    if F16:
+        q16, q_amax = _scaled_fp16(q)
     if HAS_OFFSET:
         offset = tl.load(off_ptr + b * so_b + h * so_h + rows * so_r, mask=row_ok, other=0.0).to(tl.float32)
+    gk = tl.arange(0, BLOCK_D // 8)
+    gv = tl.arange(0, BLOCK_DV // 8)
     kc = kc_ptr + b * skc_b + h * skc_h
     kn = kn_ptr + b * skn_b + h * skn_h
     vc = vc_ptr + b * svc_b + h * svc_h
@@ -113,20 +152,27 @@ def _tq_attention_kernel(
     for t0 in range(start, end, BLOCK_T):
         toks = t0 + tl.arange(0, BLOCK_T)
         tok_ok = toks < end
-        code = _unpack(kc + toks[:, None] * skc_t, dk[None, :], tok_ok[:, None] & (dk[None, :] < D), KBITS, KBYTES)
+        code = _codes(kc + toks[:, None] * skc_t, dk, gk, tok_ok, D, KBITS, KBYTES, BLOCK_T, BLOCK_D, GROUPED)
         k = tl.load(kcent_ptr + code)  # (BT, BD) unit centroids; padded channels meet q = 0
         k_norm = tl.load(kn + toks * skn_t, mask=tok_ok, other=0.0).to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * k_norm[None, :]
+        if F16:  # one tensor-core pass; |centroid| <= 1 and the scaled query <= 1, so fp16 holds them
+            s = tl.dot(q16, tl.trans(k.to(tl.float16))) * (q_amax[:, None] * k_norm[None, :])
+        else:
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * k_norm[None, :]
         if HAS_OFFSET:
             s += offset[:, None]
         s = _finish_scores(s, b, h, rows, toks, row_ok, tok_ok, scale, softcap,
                            bias_ptr, sb_b, sb_h, sb_r, sb_t, bias_rows, HAS_BIAS, HAS_SOFTCAP)
         m_i, alpha, p = _softmax_step(s, m_i)
-        code = _unpack(vc + toks[:, None] * svc_t, dv[None, :], tok_ok[:, None] & (dv[None, :] < DV), VBITS, VBYTES)
+        code = _codes(vc + toks[:, None] * svc_t, dv, gv, tok_ok, DV, VBITS, VBYTES, BLOCK_T, BLOCK_DV, GROUPED)
         v = tl.load(vcent_ptr + code)  # (BT, BDV)
         v_norm = tl.load(vn + toks * svn_t, mask=tok_ok, other=0.0).to(tl.float32)
         # The value norm scales p (BR x BT) rather than the (BT x BDV) centroid tile: fewer multiplies.
-        acc = acc * alpha[:, None] + tl.dot(p * v_norm[None, :], v, input_precision=PRECISION)
+        # In fp16, p·norm <= norm, itself an fp16 value: no overflow.
+        if F16:
+            acc = acc * alpha[:, None] + tl.dot((p * v_norm[None, :]).to(tl.float16), v.to(tl.float16))
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p * v_norm[None, :], v, input_precision=PRECISION)
         l_i = l_i * alpha + tl.sum(p, 1)
     _store_partial(m_i, l_i, acc, m_ptr, l_ptr, o_ptr, pid_bh, rows, row_ok, dv, R, DV, FINAL)
 
@@ -142,6 +188,7 @@ def _int8_attention_kernel(
     D: tl.constexpr, DV: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, FINAL: tl.constexpr, PRECISION: tl.constexpr,
+    F16: tl.constexpr,
 ):
     pid_bh = tl.program_id(0).to(tl.int64)
     b, h = pid_bh // H, pid_bh % H
@@ -151,6 +198,8 @@ def _int8_attention_kernel(
     dv = tl.arange(0, BLOCK_DV)
     q = tl.load(q_ptr + b * sq_b + h * sq_h + rows[:, None] * sq_r + dk[None, :],
                 mask=row_ok[:, None] & (dk[None, :] < D), other=0.0).to(tl.float32)
+    if F16:
+        q16, q_amax = _scaled_fp16(q)
     kc = kc_ptr + b * skc_b + h * skc_h
     ks = ks_ptr + b * sks_b + h * sks_h
     vc = vc_ptr + b * svc_b + h * svc_h
@@ -164,15 +213,21 @@ def _int8_attention_kernel(
     for t0 in range(start, end, BLOCK_T):
         toks = t0 + tl.arange(0, BLOCK_T)
         tok_ok = toks < end
-        k = tl.load(kc + toks[:, None] * skc_t + dk[None, :], mask=tok_ok[:, None] & (dk[None, :] < D), other=0).to(tl.float32)
+        k = tl.load(kc + toks[:, None] * skc_t + dk[None, :], mask=tok_ok[:, None] & (dk[None, :] < D), other=0)
         k_scale = tl.load(ks + toks * sks_t, mask=tok_ok, other=0.0).to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * k_scale[None, :]
+        if F16:  # int8 codes are exact in fp16: one tensor-core pass, rounding only the scaled query
+            s = tl.dot(q16, tl.trans(k.to(tl.float16))) * (q_amax[:, None] * k_scale[None, :])
+        else:
+            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=PRECISION) * k_scale[None, :]
         s = _finish_scores(s, b, h, rows, toks, row_ok, tok_ok, scale, softcap,
                            bias_ptr, sb_b, sb_h, sb_r, sb_t, bias_rows, HAS_BIAS, HAS_SOFTCAP)
         m_i, alpha, p = _softmax_step(s, m_i)
-        v = tl.load(vc + toks[:, None] * svc_t + dv[None, :], mask=tok_ok[:, None] & (dv[None, :] < DV), other=0).to(tl.float32)
+        v = tl.load(vc + toks[:, None] * svc_t + dv[None, :], mask=tok_ok[:, None] & (dv[None, :] < DV), other=0)
         v_scale = tl.load(vs + toks * svs_t, mask=tok_ok, other=0.0).to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p * v_scale[None, :], v, input_precision=PRECISION)
+        if F16:  # p·scale <= scale, an fp16 value
+            acc = acc * alpha[:, None] + tl.dot((p * v_scale[None, :]).to(tl.float16), v.to(tl.float16))
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p * v_scale[None, :], v.to(tl.float32), input_precision=PRECISION)
         l_i = l_i * alpha + tl.sum(p, 1)
     _store_partial(m_i, l_i, acc, m_ptr, l_ptr, o_ptr, pid_bh, rows, row_ok, dv, R, DV, FINAL)
 
@@ -321,6 +376,11 @@ class _Plan:
         self.split_len = split_tiles * self.block_t
         self.splits = triton.cdiv(t, self.split_len)
         self.precision = "tf32x3" if q.device.type == "cuda" and torch.version.hip is None else "ieee"
+        # TurboQuant's and int8's dots take fp16 operands (one tensor-core pass, fp32 accumulation) instead of
+        # float32 at `precision` (tf32x3: three passes and the operand splits); their error stays within the
+        # fp16 reference's, which the tests bound. Codes unpack by 8-code groups where the dims allow.
+        self.f16 = True
+        self.grouped = d % 8 == 0 and dv % 8 == 0
 
     @property
     def grid(self) -> tuple[int, int, int]:
@@ -408,7 +468,7 @@ def tq_attention(
         D=q.shape[-1], DV=d, KBITS=k_bits, VBITS=v_bits, KBYTES=kc.shape[-1], VBYTES=vc.shape[-1],
         BLOCK_R=plan.block_r, BLOCK_D=plan.block_d, BLOCK_DV=plan.block_dv,
         HAS_OFFSET=row_offset is not None, HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap > 0,
-        FINAL=plan.splits == 1, PRECISION=plan.precision,
+        FINAL=plan.splits == 1, PRECISION=plan.precision, F16=plan.f16, GROUPED=plan.grouped,
     )
     return plan.finish(m, denom, o)
 
@@ -441,7 +501,7 @@ def int8_attention(
         plan.h, plan.r, t, plan.split_len, float(scale), float(softcap),
         D=q.shape[-1], DV=dv,
         BLOCK_R=plan.block_r, BLOCK_D=plan.block_d, BLOCK_DV=plan.block_dv,
-        HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap > 0, FINAL=plan.splits == 1, PRECISION=plan.precision,
+        HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap > 0, FINAL=plan.splits == 1, PRECISION=plan.precision, F16=plan.f16,
     )
     return plan.finish(m, denom, o)
 
