@@ -21,7 +21,7 @@ from kvpack.primitives.lloyd_max import lloyd_max_codebook
 
 VARIANTS = {  # name: _Plan attributes replaced ("split_factor" scales the split count)
     "base": {},
-    "old": {"f16": False, "grouped": False},  # the kernels before fp16 dots and grouped unpacking (docs/gpu.md)
+    "old": {"f16": False, "grouped": False, "block_t": 64},  # as first measured: before fp16 dots, grouped codes, wide tiles
     "f32dots": {"f16": False},
     "per-code": {"grouped": False},
     "t32": {"block_t": 32},
@@ -30,6 +30,9 @@ VARIANTS = {  # name: _Plan attributes replaced ("split_factor" scales the split
     "t128-w8": {"block_t": 128, "num_warps": 8},
     "splits/2": {"split_factor": 0.5},
     "splits/4": {"split_factor": 0.25},
+    "select": {"select": True},
+    "select-t128": {"select": True, "block_t": 128},
+    "t64": {"block_t": 64},
 }
 SHAPES = {  # batch, kv heads, query rows per kv head, head_dim
     "b32-kv8-g4-d128": (32, 8, 4, 128), "b1-kv2-g7-d64": (1, 2, 7, 64), "b32-kv2-g7-d64": (32, 2, 7, 64), "b1-kv8-g4-d128": (1, 8, 4, 128),
@@ -43,8 +46,8 @@ def _patched_plan(overrides: dict):
     """A `_Plan.__init__` that applies `overrides`, re-deriving the split length for another token tile or split count."""
     original = triton_attention._Plan.__init__
 
-    def init(self, q, t, d, dv, num_splits):
-        original(self, q, t, d, dv, num_splits)
+    def init(self, q, t, d, dv, num_splits, **kwargs):
+        original(self, q, t, d, dv, num_splits, **kwargs)
         overrides_ = dict(overrides)
         factor = overrides_.pop("split_factor", 1.0)
         for name, value in overrides_.items():

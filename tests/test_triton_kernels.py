@@ -121,13 +121,13 @@ def test_code_unpacking_by_groups_and_by_code(bits, c, grouped):
 @in_process
 @pytest.mark.parametrize("op", ["tq_attention", "int8_attention"])
 def test_float32_dots_and_per_code_unpacking(op, monkeypatch):
-    """The paths the defaults leave (float32 dots at the plan's precision, per-code unpacking), still held to
-    the same bound: the GPU sweep (scripts/gpu_sweep.py) times them against the defaults."""
+    """The paths the defaults leave (float32 dots at the plan's precision, per-code unpacking, centroids by a select
+    chain), still held to the same bound: the GPU sweep (scripts/gpu_sweep.py) times them against the defaults."""
     init = triton_attention._Plan.__init__
 
     def plain(self, *a, **k):
         init(self, *a, **k)
-        self.f16, self.grouped = False, False
+        self.f16, self.grouped, self.select = False, False, True
 
     monkeypatch.setattr(triton_attention._Plan, "__init__", plain)
     args = (tq_inputs(96, 8, 3, 2) if op == "tq_attention" else int8_inputs(96, 8)) | {"bias": make_bias(B, 2, T)}

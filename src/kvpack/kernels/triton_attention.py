@@ -10,7 +10,8 @@ global memory. With more than one split, `_merge_kernel` combines the split part
 
 Launchers accept CUDA tensors, or CPU tensors when the kernels run under Triton's interpreter
 (`TRITON_INTERPRET=1` set before `triton` is first imported, as the tests do).
-Block sizes and split counts are first choices, not yet tuned on a GPU.
+Block sizes and split counts: first choices, except TurboQuant's and int8's 128-token tiles at head dims
+65-128, chosen from an H200 sweep (docs/gpu.md).
 """
 
 from __future__ import annotations
@@ -62,6 +63,19 @@ def _codes(row_ptrs, cols, groups, tok_ok, C: tl.constexpr, BITS: tl.constexpr, 
         return _unpack_groups(row_ptrs, groups[None, :], tok_ok[:, None] & (groups[None, :] < C // 8), BITS, BLOCK_T, BLOCK_C // 8)
     else:
         return _unpack(row_ptrs, cols[None, :], tok_ok[:, None] & (cols[None, :] < C), BITS, NBYTES)
+
+
+@triton.jit
+def _lookup(table_ptr, code, BITS: tl.constexpr, SELECT: tl.constexpr):
+    """Centroids `table[code]` (float32): a gather from the (cached) table, or with SELECT a chain of 2^b - 1
+    selects among values held in registers (no load per code; more arithmetic)."""
+    if SELECT:
+        out = tl.zeros(code.shape, tl.float32) + tl.load(table_ptr)
+        for j in tl.static_range(1, 1 << BITS):
+            out = tl.where(code == j, tl.load(table_ptr + j), out)
+        return out
+    else:
+        return tl.load(table_ptr + code)
 
 
 @triton.jit
@@ -123,7 +137,7 @@ def _tq_attention_kernel(
     KBYTES: tl.constexpr, VBYTES: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     HAS_OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, FINAL: tl.constexpr,
-    PRECISION: tl.constexpr, F16: tl.constexpr, GROUPED: tl.constexpr,
+    PRECISION: tl.constexpr, F16: tl.constexpr, GROUPED: tl.constexpr, SELECT: tl.constexpr,
 ):
     pid_bh = tl.program_id(0).to(tl.int64)
     b, h = pid_bh // H, pid_bh % H
@@ -153,7 +167,7 @@ def _tq_attention_kernel(
         toks = t0 + tl.arange(0, BLOCK_T)
         tok_ok = toks < end
         code = _codes(kc + toks[:, None] * skc_t, dk, gk, tok_ok, D, KBITS, KBYTES, BLOCK_T, BLOCK_D, GROUPED)
-        k = tl.load(kcent_ptr + code)  # (BT, BD) unit centroids; padded channels meet q = 0
+        k = _lookup(kcent_ptr, code, KBITS, SELECT)  # (BT, BD) unit centroids; padded channels meet q = 0
         k_norm = tl.load(kn + toks * skn_t, mask=tok_ok, other=0.0).to(tl.float32)
         if F16:  # one tensor-core pass; |centroid| <= 1 and the scaled query <= 1, so fp16 holds them
             s = tl.dot(q16, tl.trans(k.to(tl.float16))) * (q_amax[:, None] * k_norm[None, :])
@@ -165,7 +179,7 @@ def _tq_attention_kernel(
                            bias_ptr, sb_b, sb_h, sb_r, sb_t, bias_rows, HAS_BIAS, HAS_SOFTCAP)
         m_i, alpha, p = _softmax_step(s, m_i)
         code = _codes(vc + toks[:, None] * svc_t, dv, gv, tok_ok, DV, VBITS, VBYTES, BLOCK_T, BLOCK_DV, GROUPED)
-        v = tl.load(vcent_ptr + code)  # (BT, BDV)
+        v = _lookup(vcent_ptr, code, VBITS, SELECT)  # (BT, BDV)
         v_norm = tl.load(vn + toks * svn_t, mask=tok_ok, other=0.0).to(tl.float32)
         # The value norm scales p (BR x BT) rather than the (BT x BDV) centroid tile: fewer multiplies.
         # In fp16, p·norm <= norm, itself an fp16 value: no overflow.
@@ -356,7 +370,7 @@ _SHRUNK: dict[tuple, tuple[int, int]] = {}  # (kernel, tile sizes) -> (BLOCK_T, 
 class _Plan:
     """Grid and block sizes of one attention call."""
 
-    def __init__(self, q: torch.Tensor, t: int, d: int, dv: int, num_splits: int | None):
+    def __init__(self, q: torch.Tensor, t: int, d: int, dv: int, num_splits: int | None, wide_tiles: bool = False):
         b, h, r, _ = q.shape
         self.b, self.h, self.r, self.dv = b, h, r, dv
         self.block_d = max(16, triton.next_power_of_2(d))
@@ -364,6 +378,10 @@ class _Plan:
         self.block_r = min(64, max(16, triton.next_power_of_2(r)))  # tl.dot needs >= 16 rows
         # Register budget: a (BLOCK_T x BLOCK_D) code tile and a (BLOCK_R x BLOCK_DV) accumulator.
         self.block_t = 64 if max(self.block_d, self.block_dv) <= 128 else 32
+        if wide_tiles and max(self.block_d, self.block_dv) == 128:
+            # TurboQuant and int8 at head dims 65-128: 128-token tiles took 2.5x less time than 64 for TurboQuant
+            # on an H200 at batch 1 and 32 (int8 about even; 64-dim heads were slower): bench/results/gpu/sweep.json.
+            self.block_t = 128
         self.num_warps = 4 if max(self.block_d, self.block_dv) <= 128 else 8
         self.row_blocks = triton.cdiv(r, self.block_r)
         tiles = triton.cdiv(t, self.block_t)
@@ -381,6 +399,7 @@ class _Plan:
         # fp16 reference's, which the tests bound. Codes unpack by 8-code groups where the dims allow.
         self.f16 = True
         self.grouped = d % 8 == 0 and dv % 8 == 0
+        self.select = False  # TurboQuant's centroids gathered from the table (the GPU sweep times the select chain)
 
     @property
     def grid(self) -> tuple[int, int, int]:
@@ -456,7 +475,7 @@ def tq_attention(
     if t == 0 or q_rot.numel() == 0:
         return _empty(q_rot, d)
     q, kc, kn, vc, vn = (_rows_last(x) for x in (q_rot, k_codes, k_norm, v_codes, v_norm))
-    plan = _Plan(q, t, q.shape[-1], d, num_splits)
+    plan = _Plan(q, t, q.shape[-1], d, num_splits, wide_tiles=True)
     m, denom, o = plan.buffers(q.device)
     off = (q, 0, 0, 0) if row_offset is None else (row_offset, *_strides(row_offset))
     plan.launch(
@@ -468,7 +487,7 @@ def tq_attention(
         D=q.shape[-1], DV=d, KBITS=k_bits, VBITS=v_bits, KBYTES=kc.shape[-1], VBYTES=vc.shape[-1],
         BLOCK_R=plan.block_r, BLOCK_D=plan.block_d, BLOCK_DV=plan.block_dv,
         HAS_OFFSET=row_offset is not None, HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap > 0,
-        FINAL=plan.splits == 1, PRECISION=plan.precision, F16=plan.f16, GROUPED=plan.grouped,
+        FINAL=plan.splits == 1, PRECISION=plan.precision, F16=plan.f16, GROUPED=plan.grouped, SELECT=plan.select,
     )
     return plan.finish(m, denom, o)
 
@@ -492,7 +511,7 @@ def int8_attention(
     if t == 0 or q.numel() == 0:
         return _empty(q, dv)
     q, kc, ks, vc, vs = (_rows_last(x) for x in (q, k_codes, k_scale, v_codes, v_scale))
-    plan = _Plan(q, t, q.shape[-1], dv, num_splits)
+    plan = _Plan(q, t, q.shape[-1], dv, num_splits, wide_tiles=True)
     m, denom, o = plan.buffers(q.device)
     plan.launch(
         _int8_attention_kernel,
