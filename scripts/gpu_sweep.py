@@ -21,7 +21,7 @@ from kvpack.primitives.lloyd_max import lloyd_max_codebook
 
 VARIANTS = {  # name: _Plan attributes replaced ("split_factor" scales the split count)
     "base": {},
-    "old": {"f16": False, "grouped": False, "block_t": 64},  # as first measured: before fp16 dots, grouped codes, wide tiles
+    "old": {"f16": False, "grouped": False, "block_t": 64, "select": False},  # as first measured: before fp16 dots, grouped codes, wide tiles
     "f32dots": {"f16": False},
     "per-code": {"grouped": False},
     "t32": {"block_t": 32},
@@ -30,8 +30,9 @@ VARIANTS = {  # name: _Plan attributes replaced ("split_factor" scales the split
     "t128-w8": {"block_t": 128, "num_warps": 8},
     "splits/2": {"split_factor": 0.5},
     "splits/4": {"split_factor": 0.25},
-    "select": {"select": True},
-    "select-t128": {"select": True, "block_t": 128},
+    "select": {"select": True, "block_t": 128},
+    "gather": {"select": False},
+    "gather-t64": {"select": False, "block_t": 64},
     "t64": {"block_t": 64},
 }
 SHAPES = {  # batch, kv heads, query rows per kv head, head_dim
@@ -88,9 +89,11 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--context", type=int, default=32768)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     args = ap.parse_args()
     rows = []
-    for shape in SHAPES:
+    for shape in args.shapes:
         data = inputs(shape, args.context, args.device)
         q, k, v = data["sdpa"]
         hk = k.shape[1]
@@ -104,7 +107,8 @@ def main() -> None:
         for kernel, fn in (("tq", triton_attention.tq_attention), ("int8", triton_attention.int8_attention)):
             _, denom, o = fn(**data[kernel])
             base = o / denom  # each variant's output against the shipped configuration's
-            for variant, overrides in VARIANTS.items():
+            for variant in args.variants:
+                overrides = VARIANTS[variant]
                 original, init = _patched_plan(overrides)
                 triton_attention._Plan.__init__ = init
                 try:

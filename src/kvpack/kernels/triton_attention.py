@@ -370,19 +370,26 @@ _SHRUNK: dict[tuple, tuple[int, int]] = {}  # (kernel, tile sizes) -> (BLOCK_T, 
 class _Plan:
     """Grid and block sizes of one attention call."""
 
-    def __init__(self, q: torch.Tensor, t: int, d: int, dv: int, num_splits: int | None, wide_tiles: bool = False):
+    def __init__(self, q: torch.Tensor, t: int, d: int, dv: int, num_splits: int | None, kernel: str = ""):
         b, h, r, _ = q.shape
         self.b, self.h, self.r, self.dv = b, h, r, dv
         self.block_d = max(16, triton.next_power_of_2(d))
         self.block_dv = max(16, triton.next_power_of_2(dv))
         self.block_r = min(64, max(16, triton.next_power_of_2(r)))  # tl.dot needs >= 16 rows
+        width = max(self.block_d, self.block_dv)
         # Register budget: a (BLOCK_T x BLOCK_D) code tile and a (BLOCK_R x BLOCK_DV) accumulator.
-        self.block_t = 64 if max(self.block_d, self.block_dv) <= 128 else 32
-        if wide_tiles and max(self.block_d, self.block_dv) == 128:
-            # TurboQuant and int8 at head dims 65-128: 128-token tiles took 2.5x less time than 64 for TurboQuant
-            # on an H200 at batch 1 and 32 (int8 about even; 64-dim heads were slower): bench/results/gpu/sweep.json.
+        self.block_t = 64 if width <= 128 else 32
+        # TurboQuant's centroids: gathered from the table, or by a chain of selects over values in registers.
+        self.select = False
+        # Chosen from an H200 sweep (bench/results/gpu/sweep-fp16.json, docs/gpu.md), by head dim: TurboQuant and int8
+        # at 65-128 dims take 128-token tiles (2.5x less time than 64 for TurboQuant at batch 1 and 32; int8 about
+        # even); TurboQuant at 33-64 dims the select chain with 128-token tiles (1.7x less at batch 32; the select
+        # chain was 1.6x slower at 128 dims).
+        if kernel in ("tq", "int8") and width == 128:
             self.block_t = 128
-        self.num_warps = 4 if max(self.block_d, self.block_dv) <= 128 else 8
+        if kernel == "tq" and width == 64:
+            self.block_t, self.select = 128, True
+        self.num_warps = 4 if width <= 128 else 8
         self.row_blocks = triton.cdiv(r, self.block_r)
         tiles = triton.cdiv(t, self.block_t)
         if num_splits is None:
@@ -399,7 +406,6 @@ class _Plan:
         # fp16 reference's, which the tests bound. Codes unpack by 8-code groups where the dims allow.
         self.f16 = True
         self.grouped = d % 8 == 0 and dv % 8 == 0
-        self.select = False  # TurboQuant's centroids gathered from the table (the GPU sweep times the select chain)
 
     @property
     def grid(self) -> tuple[int, int, int]:
@@ -475,7 +481,7 @@ def tq_attention(
     if t == 0 or q_rot.numel() == 0:
         return _empty(q_rot, d)
     q, kc, kn, vc, vn = (_rows_last(x) for x in (q_rot, k_codes, k_norm, v_codes, v_norm))
-    plan = _Plan(q, t, q.shape[-1], d, num_splits, wide_tiles=True)
+    plan = _Plan(q, t, q.shape[-1], d, num_splits, kernel="tq")
     m, denom, o = plan.buffers(q.device)
     off = (q, 0, 0, 0) if row_offset is None else (row_offset, *_strides(row_offset))
     plan.launch(
@@ -511,7 +517,7 @@ def int8_attention(
     if t == 0 or q.numel() == 0:
         return _empty(q, dv)
     q, kc, ks, vc, vs = (_rows_last(x) for x in (q, k_codes, k_scale, v_codes, v_scale))
-    plan = _Plan(q, t, q.shape[-1], dv, num_splits, wide_tiles=True)
+    plan = _Plan(q, t, q.shape[-1], dv, num_splits, kernel="int8")
     m, denom, o = plan.buffers(q.device)
     plan.launch(
         _int8_attention_kernel,
