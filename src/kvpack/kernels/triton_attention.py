@@ -381,10 +381,10 @@ class _Plan:
         self.block_t = 64 if width <= 128 else 32
         # TurboQuant's centroids: gathered from the table, or by a chain of selects over values in registers.
         self.select = False
-        # Chosen from an H200 sweep (bench/results/gpu/sweep-fp16.json, docs/gpu.md), by head dim: TurboQuant and int8
-        # at 65-128 dims take 128-token tiles (2.5x less time than 64 for TurboQuant at batch 1 and 32; int8 about
-        # even); TurboQuant at 33-64 dims the select chain with 128-token tiles (1.7x less at batch 32; the select
-        # chain was 1.6x slower at 128 dims).
+        # Chosen from H200 sweeps (bench/results/gpu/sweep-fp16.json, sweep-d64.json; docs/gpu.md), by head dim:
+        # TurboQuant and int8 at 65-128 dims take 128-token tiles (2.5x less time than 64 for TurboQuant at batch 1
+        # and 32; int8 about even); TurboQuant at 33-64 dims the select chain with 128-token tiles (1.7x less than
+        # the gather with 64-token tiles at batch 32, twice confirmed; the select chain was 1.5x slower at 128 dims).
         if kernel in ("tq", "int8") and width == 128:
             self.block_t = 128
         if kernel == "tq" and width == 64:
