@@ -260,6 +260,29 @@ def test_tq_encode_matches_codec():
     assert_codes_equal_except_ties(codes, packed.codes, y, codec.codebook.boundaries, bits)
 
 
+def test_codec_encodes_through_the_op_off_the_cpu_path(monkeypatch):
+    """Under the "triton" backend (a GPU's path; here Triton's interpreter, or the CPU fallback it names) an MSE-only
+    Hadamard codec encodes through `kvpack::tq_encode`, equal to its torch encode except values on a boundary; a
+    QJL codec (the op has no residual stage) keeps its own path."""
+    d, bits = 64, 3
+    codec = TurboQuantCodec(TurboQuantConfig(bits=bits, codebook="gaussian", center=True, channel_scale=0.5), d, H)
+    x = torch.randn(B, H, 70, d, generator=torch.Generator().manual_seed(4)) * 2 - 1
+    codec.fit(x)
+    expected = codec.encode(x)  # the default backend: the CPU path
+    calls, real = [], ops.tq_encode
+    monkeypatch.setattr(ops, "tq_encode", lambda *a: calls.append(a) or real(*a))
+    monkeypatch.setattr(ops, "_override", ops.Backend.TRITON)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # without the interpreter: the one-line fallback notice
+        got = codec.encode(x)
+        qjl = TurboQuantCodec(TurboQuantConfig(bits=bits, codebook="gaussian", qjl=True), d, H)
+        qjl.encode(x)
+    assert len(calls) == 1
+    assert_norms_equal_except_ties(got.norm, expected.norm)
+    _, y = reference.tq_rotated_unit(x, codec.mean, 1 / codec.scale, codec._hadamard_signs(x.device)[:, 0])
+    assert_codes_equal_except_ties(got.codes, expected.codes, y, codec.codebook.boundaries, bits)
+
+
 @pytest.mark.parametrize("axis,group,bits", [("channel", 32, 2), ("token", 16, 4)])
 def test_kivi_encode_matches_codec(axis, group, bits):
     x = torch.randn(B, H, 64, 80, generator=torch.Generator().manual_seed(3)) + torch.linspace(-2, 2, 80)

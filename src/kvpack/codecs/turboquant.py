@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import kernels
-from ..kernels import cpu_lut
+from ..kernels import cpu_lut, ops
 from ..primitives.lloyd_max import DISTRIBUTIONS, Codebook, lloyd_max_codebook
 from ..primitives.packing import pack_bits, unpack_bits
 from ..primitives.qjl import qjl_matrix
@@ -247,6 +247,9 @@ class TurboQuantCodec(Codec):
         self._check(x)
         if (self.config.center and self.mean is None) or (self.config.channel_scale and self.scale is None):
             self.fit(x)
+        fused = self._op_encode(x)
+        if fused is not None:
+            return fused
         x = x.float()
         mean, scale = self._mean(x.device), self._scale(x.device)
         if mean is not None:
@@ -272,6 +275,24 @@ class TurboQuantCodec(Codec):
         r = norm * y - norm16.float() * y_hat  # rotated residual Π(x - x̂)
         bits = (r @ self.sketch(x.device).mT >= 0).to(torch.uint8)
         return TurboQuantPacked(x.shape[2], norm16, codes, r.norm(dim=-1, keepdim=True).half(), pack_bits(bits, 1))
+
+    def _op_encode(self, x: torch.Tensor) -> TurboQuantPacked | None:
+        """Off the CPU (or with `KVPACK_BACKEND=triton` on CPU tensors, Triton's interpreter) an MSE-only codec with a
+        randomized Hadamard encodes through the `kvpack::tq_encode` op: on CUDA one Triton kernel centers, scales,
+        rotates, searches the codebook and packs, where the torch ops below take a dozen launches and float copies
+        of the block (a batch-32 block flush was the GPU's p99 step, docs/gpu.md). None where it does not apply."""
+        if self.config.qjl or self.codebook is None:
+            return None
+        if x.device.type == "cpu" and ops.get_backend() is not ops.Backend.TRITON:
+            return None
+        signs = self._hadamard_signs(x.device)
+        if signs is None:
+            return None
+        mean = None if self.mean is None else self._on("mean", self.mean, x.device)
+        inv_scale = None if self.scale is None else 1.0 / self._on("scale", self.scale, x.device)
+        norm, codes = ops.tq_encode(x, mean, inv_scale, signs[:, 0], self._on("boundaries", self.codebook.boundaries, x.device),
+                                    self.mse_bits)
+        return TurboQuantPacked(x.shape[2], norm, codes)
 
     def _decode_rotated(self, packed: TurboQuantPacked) -> torch.Tensor:
         y = packed.norm.float() * self._centroids(packed)
