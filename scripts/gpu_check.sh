@@ -36,9 +36,10 @@ want profile && stage "${T_PROFILE:-90}" python3 scripts/gpu_profile.py --config
 
 weights=()
 [ "${RANDOM_WEIGHTS:-0}" = 1 ] && weights=(--random-weights)
+# 72 warmup steps pass a block flush (every 64 tokens), so Triton compiles the encode kernel before the timed steps.
 want decode && for batch in 1 32; do
     stage "${T_DECODE:-120}" python3 -m kvpack.bench.decode --device cuda --dtype bfloat16 --model "$MODEL" "${weights[@]}" \
-        --batch "$batch" --contexts 8192,32768 --methods dynamic,turboquant:k3v2,int8 --steps 128 --warmup 4 \
+        --batch "$batch" --contexts 8192,32768 --methods dynamic,turboquant:k3v2,int8 --steps 128 --warmup 72 \
         --json "$OUT/decode-cuda-b$batch.json"
 done
 log done
