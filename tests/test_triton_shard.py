@@ -107,7 +107,7 @@ def op_args(name: str, rows: int, seed: int = 0) -> dict:
     return dict(
         q=torch.randn(B, kv, rows, d, generator=torch.Generator().manual_seed(seed)) * 2, pos0=pos[:, 0].contiguous(),
         bitpos=ks["bitpos"], bits=ks["bits"], qmax=ks["qmax"], basis_t=ks["basis_t"], mean=ks["mean"], inv_freq=ks["inv_freq"],
-        rope_scale=ks["rope_scale"], k_codes=keys.codes, books=vs["books"], v_bits=vs["bits"], v_idx=values.indices, v_norm=values.norm,
+        rope_scale=ks["rope_scale"], k_codes=keys.codes, books=vs["books"].float(), v_bits=vs["bits"], v_idx=values.indices, v_norm=values.norm,
         scale=d**-0.5,
     )
 

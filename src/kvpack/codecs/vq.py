@@ -174,11 +174,10 @@ class VQValueCodec(Codec):
         return "vq" if self.fitted else None
 
     def kernel_state(self) -> dict:
-        """Codebooks `(1 or kv_heads, entries, group_size)` float32 and the index width, for the fused kernel."""
-        cached = getattr(self, "_kernel_cache", None)
-        if cached is None or cached[0] is not self.codebooks:
-            cached = self._kernel_cache = (self.codebooks, {"books": self.codebooks.float().contiguous(), "bits": self.bits})
-        return cached[1]
+        """Codebooks `(1 or kv_heads, entries, group_size)` as stored (float16) and the index width, for the fused
+        kernels: the CPU kernel widens them per call (a few KB), so no float32 copy is held beside the codec's own
+        (memory_report counts what a codec holds); the device ops take them in float32 (`kernels.fused`)."""
+        return {"books": self.codebooks, "bits": self.bits}
 
     def kernel_output(self, o: torch.Tensor) -> torch.Tensor:
         """Rotated, channel-normalized `Σ p·v̂` `(b, kv_heads, rows, head_dim)` -> value space: one inverse Hadamard with the

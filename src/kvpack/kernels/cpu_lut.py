@@ -312,7 +312,7 @@ def pca_vq_attention(q, pos0, keys: dict, k_codes, v_state: dict, v_idx, v_norm,
     position of the segment's first token per batch row; `keys` from `PCAKeyCodec.kernel_state()`
     (bitpos (rank,) i32, bits (rank,) u8, qmax (rank,) f32, basis_t (groups, rank, gdim) f32, mean
     (groups, gdim) f32, inv_freq (d/2,) f32, rope_scale float, row_bytes int); k_codes (B, groups, T, nbytes) u8;
-    `v_state` from `VQValueCodec.kernel_state()` (books (1 or kv, entries, gsize) f32, bits int);
+    `v_state` from `VQValueCodec.kernel_state()` (books (1 or kv, entries, gsize) f16 or f32, bits int);
     v_idx (B, kv, T, vbytes) u8; v_norm (B, kv, T, 1) f16 or None. Token-narrowed views allowed. `keys` gains
     "int8" (`int8_basis`, or None) on the first call, so the integer form is derived once per codec fit.
     Returns m, l (B, kv, R, 1) and o (B, kv, R, d) f32, o in VQ's rotated, channel-normalized space.
@@ -344,7 +344,8 @@ def pca_vq_attention(q, pos0, keys: dict, k_codes, v_state: dict, v_idx, v_norm,
         basis_t = _check("basis_t", basis_t, torch.float32, (groups, rank, gdim))
     k_codes = _check_rows("k_codes", k_codes, torch.uint8, (b, groups, None, keys["row_bytes"]))
     t = k_codes.shape[2]
-    books = _check("books", v_state["books"], torch.float32, (None, None, None))
+    books = v_state["books"]
+    books = _check("books", books, torch.float16 if books.dtype == torch.float16 else torch.float32, (None, None, None))
     vbits = v_state["bits"]
     if vbits not in range(1, 9) or d % books.shape[2]:
         raise ValueError(f"VQ bits must be 1..8 and the group size must divide {d}, got {vbits} and {books.shape[2]}")

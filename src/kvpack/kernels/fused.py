@@ -88,7 +88,7 @@ def ops_segment_partial(q: torch.Tensor, seg, scale: float, first_position=None)
         if not ks["basis_t"].numel():  # dropped by the CPU kernel's integer rebuild (cpu_lut.pca_vq_attention): derive it again
             ks["basis_t"] = kc.kernel_basis_t()
         key_state = [kc._on(f"kernel_{name}", ks[name], q.device) for name in _PCA_TENSORS]
-        books = vc._on("kernel_books", vs["books"], q.device)
+        books = vc._on("kernel_books", vs["books"], q.device).float()  # the ops' contract: float32 codebooks
         m, denom, o = ops.pca_vq_attention(q, first_position().to(q.device), *key_state, float(ks["rope_scale"]), keys.codes, books,
                                            vs["bits"], values.indices, values.norm, scale)
         return m, denom, vc.kernel_output(o)

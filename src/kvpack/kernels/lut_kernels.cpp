@@ -1087,7 +1087,8 @@ std::vector<torch::Tensor> dense_attention(torch::Tensor q, torch::Tensor k, tor
 // basis_t (groups, rank, gdim) f32 with coefficient and basis scales folded in (empty when w8 is given); mean
 // (groups, gdim) f32; w8, col_scale, mean8: basis_t's integer form for the VNNI rebuild, or empty tensors.
 // values: idx (B, kv, T, vbytes) u8 rows of vbits-bit indices; norm (B, kv, T, 1) f16 or empty;
-// books (1 or kv, entries, gsize) f32. pos0 (B,) i64: RoPE position of token 0; inv_freq (d/2,) f32.
+// books (1 or kv, entries, gsize) f16 (the codec's own, widened here per call: a few KB) or f32. pos0 (B,) i64: RoPE
+// position of token 0; inv_freq (d/2,) f32.
 std::vector<torch::Tensor> pca_vq_attention(torch::Tensor q, torch::Tensor pos0, torch::Tensor inv_freq, double rope_scale,
                                             torch::Tensor codes, torch::Tensor bitpos, torch::Tensor bits, torch::Tensor qmax,
                                             torch::Tensor basis_t, torch::Tensor mean, torch::Tensor idx, int64_t vbits,
@@ -1095,6 +1096,7 @@ std::vector<torch::Tensor> pca_vq_attention(torch::Tensor q, torch::Tensor pos0,
                                             torch::Tensor col_scale, torch::Tensor mean8, torch::Tensor skip) {
   q = q.contiguous();
   pos0 = pos0.contiguous();
+  books = books.to(at::kFloat).contiguous();
   const int64_t B = q.size(0), kv = q.size(1), R = q.size(2), d = q.size(3), T = codes.size(2);
   auto out = partial_outputs(q, d);
   // Sizes come from mean (groups, gdim) and qmax (rank,): basis_t may be empty when its integer form w8 is given.
