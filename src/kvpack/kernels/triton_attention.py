@@ -10,8 +10,8 @@ global memory. With more than one split, `_merge_kernel` combines the split part
 
 Launchers accept CUDA tensors, or CPU tensors when the kernels run under Triton's interpreter
 (`TRITON_INTERPRET=1` set before `triton` is first imported, as the tests do).
-Block sizes and split counts: first choices, except TurboQuant's and int8's 128-token tiles at head dims
-65-128, chosen from an H200 sweep (docs/gpu.md).
+Block sizes and split counts: first choices, except the tiles and centroid lookup that `_Plan` picks by head dim
+for TurboQuant and int8, chosen from H200 sweeps (docs/gpu.md).
 """
 
 from __future__ import annotations
