@@ -569,3 +569,15 @@ def test_real_model_reload_generates_like_the_original(smol, method, enabled, tm
         got, scores = _generate(model, ids, other, 20, enabled)
         assert torch.equal(got, expected) and torch.equal(scores, expected_scores)
     assert torch.equal(read_header(tmp_path / "plain")["token_ids"], ids[:, :-1])
+
+
+def test_byte_target_shard_round_trip(tiny, tmp_path):
+    """`shard:Rx` fits smaller value codebooks than its config names; a saved cache loads them and continues identically."""
+    cache, seq = _filled(tiny, "shard:6.5x@window=16", ids=_ids(1500))
+    assert {layer._codecs["prefill_value"].entries for layer in cache.layers} < {16, 32, 64, 128}  # a budget chose them
+    save_cache(cache, tmp_path / "c")
+    loaded = load_cache(tmp_path / "c", tiny)
+    _assert_same_state(cache, loaded)
+    assert [layer._codecs["prefill_value"].entries for layer in loaded.layers] == [layer._codecs["prefill_value"].entries for layer in cache.layers]
+    expected = _generate(tiny, seq, copy.deepcopy(cache), 8)[1]
+    assert torch.equal(_generate(tiny, seq, loaded, 8)[1], expected)

@@ -294,3 +294,88 @@ def test_shard_key_score_error_names():
                                    ("shard:e1+vq64", "shard:vq64+e1", 0.01), ("shard:e0.5+tq4", "shard:tq4+e0.5", 0.005)]:
         config = get_method(name)
         assert config.name == canonical and config.prefill_key.build(64, 2).config.score_error == pytest.approx(error)
+
+
+def test_shard_byte_target_names():
+    """`shard:Rx` sets `MethodConfig.prompt_ratio` (any R in (1, 64]), combinable with the other tokens under one canonical
+    name; a bad R, two targets, or a target on a method whose prompt value codec cannot size itself are refused."""
+    from kvpack.registry import MethodConfig, get_method
+
+    for name, canonical, ratio in [("shard", "shard", 0.0), ("shard:10x", "shard:10x", 10.0), ("shard:7.5x+k3v2", "shard:k3v2+7.5x", 7.5),
+                                   ("shard:10x+e1+vq128", "shard:vq128+e1+10x", 10.0), ("shard:10x@window=32", "shard:10x@window=32", 10.0)]:
+        config = get_method(name)
+        assert config.name == canonical and config.prompt_ratio == ratio
+    for bad in ("shard:1x", "shard:65x", "shard:10x+8x", "shard:0.5x"):
+        with pytest.raises(ValueError, match="byte target"):
+            get_method(bad)
+    with pytest.raises(ValueError, match=r"sizes itself to a byte budget \(\['vq'\]\)"):
+        get_method("turboquant:k3v2").with_options(prompt_ratio=10.0)
+    with pytest.raises(ValueError, match="prompt_ratio must be 0"):
+        MethodConfig("x", CodecSpec("int8"), CodecSpec("int8"), prompt_ratio=-2)
+
+
+def _measured_vq_bytes(entries: int, values: torch.Tensor) -> int:
+    """Bytes a VQ codec with `entries` codewords holds for `values`: its encoded tokens plus its state, measured."""
+    codec = VQValueCodec(VQConfig(codebook_size=entries, n_iter=4, fit_points=2048, token_norm=True), D, KV)
+    return codec.encode(values).nbytes() + codec.state_nbytes()
+
+
+def test_vq_fits_the_largest_codebook_within_a_byte_budget():
+    """Given (bytes, tokens), `fit` keeps the largest codebook whose encoded tokens and state fit, as measured by
+    encoding with codecs of each size; the chosen codebook encodes, decodes and round-trips its state like a fixed one."""
+    values = torch.randn(1, KV, 500, D, generator=torch.Generator().manual_seed(4))
+    measured = {e: _measured_vq_bytes(e, values) for e in (16, 32, 64, 128, 256)}
+    for allowed, expected in [(measured[64], 64), (measured[128] - 1, 64), (measured[256] + 10, 256), (measured[16], 16)]:
+        codec = VQValueCodec(VQConfig(n_iter=4, fit_points=2048, token_norm=True), D, KV)
+        codec.fit(values, byte_budget=(allowed, 500))
+        packed = codec.encode(values)
+        assert codec.entries == expected and packed.nbytes() + codec.state_nbytes() == measured[expected] <= allowed
+        fresh = VQValueCodec(codec.config, D, KV)
+        fresh.load_state_dict(codec.state_dict())
+        assert fresh.entries == expected and torch.equal(fresh.decode(packed), codec.decode(packed))
+        assert codec.budget_met
+    codec = VQValueCodec(VQConfig(n_iter=4, fit_points=2048, token_norm=True), D, KV)
+    codec.fit(values, byte_budget=(measured[16] - 1, 500))
+    assert codec.entries == 256 and codec.budget_met is False  # a codebook that misses the target anyway would only cost quality
+    with pytest.raises(ValueError, match="codebooks"):  # a size no budget chooses is refused on load
+        VQValueCodec(VQConfig(), D, KV).load_state_dict({"scale": codec.scale, "codebooks": codec.codebooks[:, :100]})
+
+
+def test_shard_byte_target_holds_every_layer_measured():
+    """`shard:Rx` on a prompt long enough to reach R: every layer holds at most 1/R of its fp16 bytes once the prompt is
+    encoded (bytes of every tensor, measured), and the next larger value codebook would not have fit (counting the copy
+    of the key basis the CPU kernel derives)."""
+    import warnings
+
+    from tests.test_cache import _tiny
+
+    import kvpack
+
+    model = _tiny("llama")
+    ids = torch.randint(0, 128, (2, 1200), generator=torch.Generator().manual_seed(5))
+    caches = {}
+    kvpack.enable(model)
+    try:
+        for method in ("shard:4.3x@window=16", "shard@window=16"):
+            caches[method] = kvpack.KVCache(model, method)
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", UserWarning)  # the target is reachable: no warning
+                with torch.no_grad():
+                    model(ids, past_key_values=caches[method])
+    finally:
+        kvpack.disable(model)
+    with pytest.warns(UserWarning, match=r"holds \d\.\d\dx fewer bytes than fp16, short of the method's 4.3x target: 2 of 2 layers"):
+        kvpack.enable(model)
+        try:
+            with torch.no_grad():  # a short prompt: the exact sinks and window alone hold more than 1/4.3 of it
+                model(ids[:, :200], past_key_values=kvpack.KVCache(model, "shard:4.3x@window=16"))
+        finally:
+            kvpack.disable(model)
+    for target, plain in zip(caches["shard:4.3x@window=16"].layers, caches["shard@window=16"].layers, strict=True):
+        fp16 = target.batch * target.kv_heads * target.length * (target.head_dim + target.v_head_dim) * 2
+        vc = target._codecs["prefill_value"]
+        assert target.nbytes() <= fp16 / 4.3 < plain.nbytes()  # plain Shard (256 entries) misses the target
+        indices = target.segments[0].values.indices  # (batch, kv_heads, tokens, bytes): 16 groups of 4 channels per row
+        rows = indices.shape[0] * indices.shape[1] * indices.shape[2]
+        grown = rows * (packed_length(16, vc.bits + 1) - packed_length(16, vc.bits)) + vc.entries * 4 * 2  # indices, codebook
+        assert vc.entries < 256 and target.nbytes() + target._codecs["prefill_key"].state_nbytes() + grown > fp16 / 4.3

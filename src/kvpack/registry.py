@@ -155,6 +155,9 @@ class MethodConfig:
     anchors: fraction of the compressed tokens also kept exact, beside their codes: of the prompt, those its last
         queries attend to most; of each later block, those the queries of the forward that flushes it attend to
         most (kvpack/cache/anchors.py; name suffix `@anchors=0.5%`). 0 keeps none.
+    prompt_ratio: a byte target for the prompt: each layer holds at least this many times fewer bytes than fp16
+        once the prompt is encoded, every tensor counted. The prompt's value codec (one with `fits_to_budget`,
+        Shard's VQ) sizes itself to the bytes the keys, sinks, window and anchors leave (`shard:10x`). 0: none.
     """
 
     name: str
@@ -169,6 +172,7 @@ class MethodConfig:
     tiers: tuple[Tier, ...] = ()
     layer_codecs: tuple[LayerCodecs, ...] = ()
     anchors: float = 0.0
+    prompt_ratio: float = 0.0
 
     def __post_init__(self):
         for attr in ("key", "value", "prefill_key", "prefill_value"):
@@ -188,6 +192,16 @@ class MethodConfig:
         self._check_tiers()
         self._check_layer_codecs()
         self._check_anchors()
+        self._check_prompt_ratio()
+
+    def _check_prompt_ratio(self) -> None:
+        ratio = self.prompt_ratio
+        if isinstance(ratio, bool) or not isinstance(ratio, int | float) or not (ratio == 0 or 1 < ratio <= MAX_PROMPT_RATIO):
+            raise ValueError(f"prompt_ratio must be 0 (no byte target) or a number above 1 and at most {MAX_PROMPT_RATIO} (e.g. 10 for 10x), got {ratio!r}")
+        if ratio and (self.prefill_value is None or not self.prefill_value.codec_class.fits_to_budget):
+            fitting = sorted(name for name, path in CODECS.items() if _load(path).fits_to_budget)
+            raise ValueError(f"method {self.name!r}: a prompt byte target needs a prompt value codec that sizes itself to a "
+                             f"byte budget ({fitting}), e.g. 'shard:10x'; got {self.prefill_value and self.prefill_value.codec!r}")
 
     def _check_anchors(self) -> None:
         if isinstance(self.anchors, bool) or not isinstance(self.anchors, int | float) or not 0 <= self.anchors <= MAX_ANCHORS:
@@ -272,6 +286,7 @@ ANCHORS_SUFFIX = "@anchors="  # `turboquant:k3v2@anchors=0.5%`: the most-attende
 WINDOW_SUFFIX = "@window="  # `turboquant:k3v2@window=32`: the exact recent window's size in tokens (`with_window`)
 SUFFIXES = ("anchors", "window", "seed")  # the order a name carries them in
 MAX_ANCHORS = 0.25
+MAX_PROMPT_RATIO = 64  # 64x: below one bit per fp16 element is past any codec kvpack has
 
 
 def _percent(fraction: float) -> str:
@@ -407,11 +422,12 @@ SHARD_SCORE_ERRORS = ("0.5", "1", "2", "3", "5")  # `shard:eN`: the key rank kee
 
 @method("shard")
 def _shard(arg: str) -> MethodConfig:
-    """`shard[:STREAM][+vqN][+eN]`: STREAM the codec of tokens after the prompt (int8 by default; k3v2 the default's
+    """`shard[:STREAM][+vqN][+eN][+Rx]`: STREAM the codec of tokens after the prompt (int8 by default; k3v2 the default's
     TurboQuant pair), vqN the value codebook's entries
-    (256 by default: 2 bits per value; `vq64`, 1.5 bits, takes Shard past 10x at 8K), eN the key rank: the smallest
+    (256 by default: 2 bits per value; `vq64`, 1.5 bits), eN the key rank: the smallest
     that keeps the relative score error of the prompt's queries within N% (3 by default; `e1` holds Gemma-3's few
-    global layers within +1%, docs/shard.md)."""
+    global layers within +1%, docs/shard.md), Rx a byte target: each layer's value codebook is the largest (up to
+    vqN's) that keeps the layer R times smaller than fp16 once the prompt is encoded (`shard:10x`)."""
     # k3v2: the default's TurboQuant pair, so tokens generated after the prompt stay at >= 5x too; k4v2 its 4-bit keys.
     tq, tq4 = get_method("turboquant:k3v2"), get_method("turboquant:k4v2")
     stream = {"": (CodecSpec("int8"),) * 2, "int8": (CodecSpec("int8"),) * 2, "tq4": (CodecSpec("turboquant", {"bits": 4}),) * 2,
@@ -419,11 +435,14 @@ def _shard(arg: str) -> MethodConfig:
     parts = [p for p in arg.split("+") if p] if arg else []
     books = [p for p in parts if p.startswith("vq")]
     errors = [p for p in parts if p.startswith("e")]
-    streams = [p for p in parts if not p.startswith(("vq", "e"))]
-    if len(books) > 1 or len(streams) > 1 or len(errors) > 1 or any(p not in stream for p in streams):
+    ratios = [p for p in parts if p.endswith("x") and p[:1].isdigit()]
+    streams = [p for p in parts if not p.startswith(("vq", "e")) and p not in ratios]
+    if len(books) > 1 or len(streams) > 1 or len(errors) > 1 or len(ratios) > 1 or any(p not in stream for p in streams):
         raise ValueError(f"shard takes a decode-stream codec in {sorted(k for k in stream if k)}, a value codebook vqN "
-                         f"(N in {SHARD_CODEBOOKS}) and/or a key score error eN (N in {SHARD_SCORE_ERRORS}), each at most once, "
-                         f"joined by + (e.g. shard:tq4, shard:k3v2, shard:vq64, shard:e1, shard:k3v2+e1), got {arg!r}")
+                         f"(N in {SHARD_CODEBOOKS}), a key score error eN (N in {SHARD_SCORE_ERRORS}) and/or a byte target Rx "
+                         f"(e.g. 10x), each at most once, joined by + (e.g. shard:tq4, shard:k3v2, shard:vq64, shard:e1, shard:10x, "
+                         f"shard:k3v2+e1), got {arg!r}")
+    ratio = _parse_ratio(ratios[0]) if ratios else 0.0
     if errors and errors[0][1:] not in SHARD_SCORE_ERRORS:
         raise ValueError(f"shard's key score error eN takes N in {SHARD_SCORE_ERRORS} (percent), got {errors[0]!r}")
     error = errors[0][1:] if errors and errors[0][1:] != "3" else None
@@ -439,9 +458,22 @@ def _shard(arg: str) -> MethodConfig:
     # cost +3.0% perplexity (values only lossy), with the RMS -0.1%.
     value = CodecSpec("vq", options)
     tokens = [t for t in (streams[0] if streams and streams[0] else "", f"vq{options['codebook_size']}" if "codebook_size" in options else "",
-                          f"e{error}" if error else "") if t]
+                          f"e{error}" if error else "", f"{ratio:g}x" if ratio else "") if t]
     key = CodecSpec("pca", {"score_error": float(error) / 100} if error else {})
-    return MethodConfig("shard" + (":" + "+".join(tokens) if tokens else ""), stream_key, stream_value, prefill_key=key, prefill_value=value)
+    return MethodConfig("shard" + (":" + "+".join(tokens) if tokens else ""), stream_key, stream_value, prefill_key=key, prefill_value=value,
+                        prompt_ratio=ratio)
+
+
+def _parse_ratio(text: str) -> float:
+    """`"10x"` -> 10.0 (a byte target, `MethodConfig.prompt_ratio`)."""
+    try:
+        ratio = float(text[:-1])
+    except ValueError:
+        ratio = float("nan")
+    if not 1 < ratio <= MAX_PROMPT_RATIO:
+        raise ValueError(f"shard's byte target Rx takes R above 1 and at most {MAX_PROMPT_RATIO} (times fewer bytes than fp16), "
+                         f"e.g. shard:10x, got {text!r}")
+    return ratio
 
 
 @method("kvquant", "4", "3", "2")

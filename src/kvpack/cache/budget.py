@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import math
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -75,6 +76,33 @@ class LayerShare:
         self.log.append(event)
         LOG.info("layer %d: %s %d tokens from %d; now %d of %d bytes", event.layer, event.action, event.tokens, event.start,
                  event.bytes_after, event.limit)
+
+
+@dataclass
+class PromptTarget:
+    """A method's `prompt_ratio` over one cache's compressed layers (shared by them): each layer records, once its
+    prompt is encoded, its fp16 bytes, the bytes it holds (measured) and whether its value codec fitted the layer's
+    share; the last to record warns when the cache as a whole holds less than `ratio` times fewer bytes than fp16.
+    Per-layer shares overshoot in whole codebook halvings, so one layer's miss is no reason to warn: the cache's is."""
+
+    ratio: float
+    layers: int  # compressed layers of the cache
+    held: dict[int, tuple[int, int, bool]] = field(default_factory=dict)  # layer -> (fp16 bytes, bytes held, fitted)
+
+    def record(self, layer: int, fp16: int, held: int, fitted: bool) -> None:
+        self.held[layer] = (fp16, held, fitted)
+        if len(self.held) < self.layers:
+            return
+        fp16_total, held_total = sum(h[0] for h in self.held.values()), sum(h[1] for h in self.held.values())
+        missed = sorted(i for i, h in self.held.items() if not h[2])
+        if fp16_total < self.ratio * held_total:
+            warnings.warn(
+                f"after this prompt the cache holds {fp16_total / held_total:.2f}x fewer bytes than fp16, short of the method's "
+                f"{self.ratio:g}x target: {len(missed)} of {self.layers} layers could not fit even the smallest value codebook "
+                "beside their keys, sinks and window, and kept the full one. The exact sinks and window weigh most on short "
+                "prompts; lower the target (e.g. shard:8x), the window (@window=32) or the key rank (shard:e5)",
+                stacklevel=4,
+            )
 
 
 def exact_bytes_at_most(layer, key_states: torch.Tensor, value_states: torch.Tensor) -> int:

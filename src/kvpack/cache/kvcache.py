@@ -9,7 +9,7 @@ from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
 
 from .. import kernels
 from ..registry import DEFAULT_METHOD, MethodConfig, apply_suffixes, get_method, split_suffixes
-from .budget import BudgetEvent, LayerShare, MemoryBudget, rematerialize
+from .budget import BudgetEvent, LayerShare, MemoryBudget, PromptTarget, rematerialize
 from .layer import DEBUG, PENDING, KVPackLayer, deepcopy_sharing
 from .tracker import QualityTracker
 
@@ -203,6 +203,10 @@ class KVCache(Cache):
         if tracker is not None:
             self.track(tracker)
         self.budget: MemoryBudget | None = None
+        if self.method.prompt_ratio:  # one shared record of the prompt's bytes against the method's byte target
+            target = PromptTarget(self.method.prompt_ratio, len(self.compressed_layers()))
+            for layer in self.compressed_layers():
+                layer.prompt_target = target
         self.budget_events: list[BudgetEvent] = []  # every demotion, eviction and rematerialization, in order
         self.token_ids: torch.Tensor | None = None  # (batch, tokens) ids seen by forwards, kept while a budget is set
         if budget is not None:

@@ -138,6 +138,7 @@ class KVPackLayer(CacheLayerMixin):
     is_croppable = True
     tracker = None  # a kvpack.cache.tracker.QualityTracker, set by KVCache.track; told of every flushed block
     budget = None  # a kvpack.cache.budget.LayerShare, set by KVCache.set_budget: bytes this layer may hold after a forward
+    prompt_target = None  # a kvpack.cache.budget.PromptTarget, set by KVCache for a method with a prompt_ratio
 
     def __init__(self, method: MethodConfig, layer_idx: int, model_config=None, rope: tuple[torch.Tensor, float] | None = None):
         super().__init__()
@@ -428,10 +429,12 @@ class KVPackLayer(CacheLayerMixin):
         k, v = self.win_k[:, :, :n], self.win_v[:, :, :n]
         start = self.length - self.win_k.shape[2]
         chosen = self._choose_anchors(start, n, first)
+        sized = prefill and bool(self.method.prompt_ratio) and vc.fits_to_budget  # values fit to the prompt's byte target
         if prefill:
             positions = self.positions(start, n)
             kc.fit(k, positions, **({"queries": self.fit_queries} if kc.fits_on_queries else {}))
-            vc.fit(v, positions, **({"queries": self.fit_queries} if vc.fits_on_queries else {}))
+            allowance = {"byte_budget": self._value_allowance(kc, k, positions, 0 if chosen is None else len(chosen))} if sized else {}
+            vc.fit(v, positions, **({"queries": self.fit_queries} if vc.fits_on_queries else {}), **allowance)
         # Tokens already past an older tier's boundary (a long prompt) go straight to that tier: no double encode.
         done = 0
         for level in range(len(self.method.tiers), 0, -1) if not prefill else ():
@@ -444,9 +447,28 @@ class KVPackLayer(CacheLayerMixin):
             self._add_anchors(start + chosen, k.index_select(2, chosen), v.index_select(2, chosen))
         self.fit_queries = None
         self.win_k, self.win_v = self.win_k[:, :, n:].contiguous(), self.win_v[:, :, n:].contiguous()
+        if sized and self.prompt_target is not None:
+            self.prompt_target.record(self.layer_idx, self._fp16_bytes(), self.nbytes(), vc.budget_met)
         if self.tracker is not None:  # the only moment the block's originals sit next to its encoding
             self.tracker.on_flush(self, k, v, start)
         self._demote()
+
+    def _value_allowance(self, kc: Codec, k: torch.Tensor, positions: torch.Tensor, anchors: int) -> tuple[int, int]:
+        """(bytes, tokens) the prompt's value codec may hold for this layer to end the prompt `prompt_ratio` times below
+        fp16: the fp16 bytes of every token held over the ratio, less the sinks and the window left behind, the anchors'
+        exact rows, the keys' codes (one encoded token's bytes times the count, `k (b, kv, n, d)` plus the anchors) and
+        the key codec's state twice over, since the CPU kernel derives a copy of the basis on first use
+        (`cpu_lut.int8_basis`), so the target holds while decoding too."""
+        b, _, n, _ = k.shape
+        exact = sum(t.numel() * t.element_size() for t in (self.sink_k, self.sink_v, self.win_k[:, :, n:], self.win_v[:, :, n:]))
+        anchor_rows = anchors * (b * self.kv_heads * (self.head_dim + self.v_head_dim) * self.win_k.element_size() + 8)
+        step = kc.token_multiple
+        keys = math.ceil(kc.encode(k[:, :, :step], positions[:, :step]).nbytes() * (n + anchors) / step)
+        return int(self._fp16_bytes() / self.method.prompt_ratio) - exact - anchor_rows - keys - 2 * kc.state_nbytes(), n + anchors
+
+    def _fp16_bytes(self) -> int:
+        """What this layer's tokens would take as fp16 K and V."""
+        return self.batch * self.kv_heads * self.length * (self.head_dim + self.v_head_dim) * 2
 
     def _choose_anchors(self, start: int, n: int, first: bool) -> torch.Tensor | None:
         """Indices `(h,)` into the tokens [start, start + n) about to be compressed to keep exact: those the latest

@@ -175,6 +175,9 @@ class Codec(ABC):
     # Codecs whose `fit` can use a sample of the prompt's queries (`fit(x, positions, queries=...)`):
     # the cache passes the last prompt queries it saw under kvpack attention, None otherwise.
     fits_on_queries: ClassVar[bool] = False
+    # Codecs whose `fit` can size themselves to a byte allowance (`fit(x, positions, byte_budget=...)`, Shard's VQ
+    # choosing its codebook): the cache passes what a method's `prompt_ratio` leaves them after everything else.
+    fits_to_budget: ClassVar[bool] = False
 
     @property
     def token_multiple(self) -> int:

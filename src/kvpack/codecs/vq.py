@@ -21,11 +21,17 @@ import torch
 
 from ..kernels import cpu_lut
 from ..primitives.kmeans import kmeans
-from ..primitives.packing import pack_bits, unpack_bits
+from ..primitives.packing import pack_bits, packed_length, unpack_bits
 from ..primitives.rotation import derive_seed, hadamard_transform, is_power_of_two, random_signs
 from .base import Codec, Packed, check_state, group_query, ungroup
 
 _CHUNK_ELEMENTS = 1 << 22  # float32 entries of looked-up codewords held at once in `weighted_sum`
+MIN_BUDGET_ENTRIES = 16  # the smallest codebook a byte budget may choose (`VQValueCodec._sizes`)
+
+
+def _index_bits(entries: int) -> int:
+    """Bits of one codeword index for an `entries`-codebook."""
+    return (entries - 1).bit_length()
 
 
 class VQScope(str, Enum):
@@ -77,17 +83,20 @@ class VQPacked(Packed):
 
 class VQValueCodec(Codec):
     name = "vq"
+    fits_to_budget = True
 
     def __init__(self, config: VQConfig, head_dim: int, kv_heads: int, layer_idx: int = 0):
         super().__init__(config, head_dim, kv_heads, layer_idx)
         if head_dim % config.group_size:
             raise ValueError(f"group_size {config.group_size} must divide head_dim {head_dim}")
         self.n_groups = head_dim // config.group_size
-        self.bits = (config.codebook_size - 1).bit_length()
+        self.entries = config.codebook_size  # a byte budget may fit a smaller codebook (`fit`)
+        self.budget_met: bool | None = None  # whether the last `fit` with a byte budget found a codebook within it
+        self.bits = _index_bits(self.entries)
         signs = [random_signs(head_dim, derive_seed(config.seed, layer_idx, h)) for h in range(kv_heads)]
         self.signs = torch.stack(signs).to(torch.int8)  # (kv_heads, head_dim)
         self.scale: torch.Tensor | None = None  # (kv_heads, head_dim) float16, RMS of each rotated channel
-        self.codebooks: torch.Tensor | None = None  # (1 or kv_heads, codebook_size, group_size) float16
+        self.codebooks: torch.Tensor | None = None  # (1 or kv_heads, entries, group_size) float16
 
     @property
     def fitted(self) -> bool:
@@ -119,17 +128,52 @@ class VQValueCodec(Codec):
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         books = 1 if self.config.scope is VQScope.LAYER else self.kv_heads
+        saved = state.get("codebooks")
+        # A codebook fitted to a byte budget has one of the sizes `fit` chooses from; any other size is refused below.
+        entries = saved.shape[1] if saved is not None and saved.dim() == 3 and saved.shape[1] in self._sizes() else self.config.codebook_size
         expected = {
             "scale": ((self.kv_heads, self.head_dim), torch.float16),
-            "codebooks": ((books, self.config.codebook_size, self.config.group_size), torch.float16),
+            "codebooks": ((books, entries, self.config.group_size), torch.float16),
         }
         check_state(self.name, state, expected)
-        self.scale, self.codebooks = state.get("scale"), state.get("codebooks")
+        self.scale, self.codebooks = state.get("scale"), saved
+        self._set_entries(entries)
 
-    def fit(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> None:
-        """Channel scales and codebook(s) from values `x (batch, kv_heads, tokens, head_dim)`."""
+    def _set_entries(self, entries: int) -> None:
+        self.entries, self.bits = entries, _index_bits(entries)
+
+    def _sizes(self) -> tuple[int, ...]:
+        """Codebook sizes a byte budget chooses from, largest first: halvings of `codebook_size` down to 16 entries
+        (1 bit per value at groups of 4; below it the values' error grows past what any key rank makes up)."""
+        sizes = [self.config.codebook_size]
+        while sizes[-1] // 2 >= min(MIN_BUDGET_ENTRIES, self.config.codebook_size):
+            sizes.append(sizes[-1] // 2)
+        return tuple(sizes)
+
+    def budget_nbytes(self, entries: int, batch: int, tokens: int) -> int:
+        """Bytes this codec holds for `tokens` tokens of `batch` sequences with an `entries`-codebook: the packed
+        indices and per-token norms of every token and kv head; the Hadamard signs (int8), the channel scales and the
+        codebook(s) (float16)."""
+        books = 1 if self.config.scope is VQScope.LAYER else self.kv_heads
+        per_token = packed_length(self.n_groups, _index_bits(entries)) + (2 if self.config.token_norm else 0)
+        state = 3 * self.kv_heads * self.head_dim + 2 * books * entries * self.config.group_size
+        return batch * self.kv_heads * tokens * per_token + state
+
+    def _entries_within(self, budget: tuple[int, int], batch: int) -> int:
+        """The largest codebook in `_sizes()` whose bytes for `budget = (bytes, tokens)` fit (`budget_met`). When none
+        does (a short prompt, where the exact sinks and window weigh most), `codebook_size`: a smaller codebook would
+        cost quality without meeting the target (at 1K tokens on SmolLM2, 16 entries lost 2 of 6 needles)."""
+        allowed, tokens = budget
+        fitting = next((e for e in self._sizes() if self.budget_nbytes(e, batch, tokens) <= allowed), None)
+        self.budget_met = fitting is not None
+        return self.config.codebook_size if fitting is None else fitting
+
+    def fit(self, x: torch.Tensor, positions: torch.Tensor | None = None, byte_budget: tuple[int, int] | None = None) -> None:
+        """Channel scales and codebook(s) from values `x (batch, kv_heads, tokens, head_dim)`. byte_budget: (bytes, tokens):
+        the codebook is then the largest of `_sizes()` whose bytes for that many tokens fit (`MethodConfig.prompt_ratio`)."""
         self._check(x)
         cfg = self.config
+        self._set_entries(cfg.codebook_size if byte_budget is None else self._entries_within(byte_budget, x.shape[0]))
         y = self._rotate(x).cpu()
         self.scale = y.square().mean((0, 2)).sqrt().clamp_min(1e-6).half()
         y = y / self.scale.float()[None, :, None]
@@ -140,7 +184,7 @@ class VQValueCodec(Codec):
             # Pseudo-head ids -1 / -2 keep these streams apart from the per-head rotation signs.
             gen = torch.Generator().manual_seed(derive_seed(cfg.seed, self.layer_idx, -2))
             points = points[:, torch.randperm(points.shape[1], generator=gen)[: cfg.fit_points]]
-        result = kmeans(points, cfg.codebook_size, cfg.n_iter, seed=derive_seed(cfg.seed, self.layer_idx, -1), nearest=cpu_lut.nearest_codeword,
+        result = kmeans(points, self.entries, cfg.n_iter, seed=derive_seed(cfg.seed, self.layer_idx, -1), nearest=cpu_lut.nearest_codeword,
                         picks=cpu_lut.d2_picks)
         self.codebooks = result.centroids.half()
 
@@ -165,7 +209,7 @@ class VQValueCodec(Codec):
         index = unpack_bits(indices, self.bits, self.n_groups).long()
         codebooks = self._on("codebooks", self.codebooks, indices.device).float()
         if self.config.scope is VQScope.HEAD:  # per-head codebooks stacked: offset each head's indices
-            index = index + (torch.arange(self.kv_heads, device=indices.device) * self.config.codebook_size)[None, :, None, None]
+            index = index + (torch.arange(self.kv_heads, device=indices.device) * self.entries)[None, :, None, None]
         return codebooks.reshape(-1, self.config.group_size)[index].flatten(-2)
 
     @property
