@@ -10,7 +10,7 @@ import torch
 from transformers import DynamicCache
 
 import kvpack
-from kvpack.cache.budget import BudgetError
+from kvpack.cache.budget import BudgetError, PromptTarget
 from kvpack.cache.serialize import save_cache
 from kvpack.models import tiny_random_model
 
@@ -193,3 +193,26 @@ def test_budget_bench_reports_the_peak_against_the_share(tmp_path):
     assert base["max_bytes"] is None and base["evicted_tokens"] == 0
     assert row["peak_layer_bytes"] <= row["layer_share"] and row["evicted_tokens"] > 0 and row["rematerialize_s"] > 0
     assert data["environment"]["command"].startswith("python -m kvpack.bench.budget")
+
+
+def test_prompt_target_spreads_what_earlier_layers_left_over_the_layers_to_come():
+    """`PromptTarget.carry`: the bytes earlier layers left under their shares (fp16 / ratio), or took over them, split
+    evenly over the layers still to encode; a rolled-back forward's records of later layers do not count; only the
+    last layer warns, and only when the cache as a whole misses the target."""
+    import warnings
+
+    target = PromptTarget(10.0, (0, 1, 2, 4))  # layer 3 sliding (not compressed)
+    assert target.carry(0) == 0
+    target.record(4, 1000, 10, True)  # a stale record from a forward that was rolled back
+    target.record(0, 1000, 70, True)  # 30 under its share of 100
+    assert target.carry(1) == 10  # 30 over layers 1, 2 and 4
+    target.record(1, 1000, 120, False)  # 20 over
+    assert target.carry(2) == 5  # (30 - 20) over layers 2 and 4
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        target.record(2, 1000, 100, True)  # not the last layer: no verdict yet
+    with pytest.warns(UserWarning, match=r"holds 9\.76x fewer bytes .* 1 of 4 layers"):
+        target.record(4, 1000, 120, True)  # 410 spent for 4000 / 10: missed
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        target.record(4, 1000, 100, True)  # 390: met

@@ -80,27 +80,37 @@ class LayerShare:
 
 @dataclass
 class PromptTarget:
-    """A method's `prompt_ratio` over one cache's compressed layers (shared by them): each layer records, once its
-    prompt is encoded, its fp16 bytes, the bytes it holds (measured) and whether its value codec fitted the layer's
-    share; the last to record warns when the cache as a whole holds less than `ratio` times fewer bytes than fp16.
-    Per-layer shares overshoot in whole codebook halvings, so one layer's miss is no reason to warn: the cache's is."""
+    """A method's `prompt_ratio` over one cache's compressed layers, shared by them. Each layer's share is its fp16
+    bytes over the ratio; layers encode their prompt in index order and each records what it then holds, so a layer
+    may also take `carry`: what the layers before it left under their shares (or took over them), spread evenly over
+    the layers still to come. Codebooks come in halvings, so a layer alone overshoots or misses its share; spreading
+    what it left keeps the cache near the target without starving the last layers. The last layer to record warns
+    when the cache as a whole holds less than `ratio` times fewer bytes than fp16."""
 
     ratio: float
-    layers: int  # compressed layers of the cache
-    held: dict[int, tuple[int, int, bool]] = field(default_factory=dict)  # layer -> (fp16 bytes, bytes held, fitted)
+    order: tuple[int, ...]  # indices of the cache's compressed layers
+    held: dict[int, tuple[int, int, bool]] = field(default_factory=dict)  # layer -> (fp16 bytes, bytes spent, fitted)
 
-    def record(self, layer: int, fp16: int, held: int, fitted: bool) -> None:
-        self.held[layer] = (fp16, held, fitted)
-        if len(self.held) < self.layers:
+    def carry(self, layer: int) -> int:
+        """Bytes layer `layer` may spend beyond its share (negative: owed)."""
+        before = [h for i, h in self.held.items() if i < layer]  # records of later layers are a rolled-back forward's
+        spare = sum(fp16 / self.ratio - spent for fp16, spent, _ in before)
+        return int(spare / max(1, sum(1 for i in self.order if i >= layer)))
+
+    def record(self, layer: int, fp16: int, spent: int, fitted: bool) -> None:
+        """Layer `layer`'s prompt is encoded: `spent` bytes held (counting derived kernel state) for `fp16` bytes of fp16."""
+        self.held[layer] = (fp16, spent, fitted)
+        if layer != max(self.order):
             return
-        fp16_total, held_total = sum(h[0] for h in self.held.values()), sum(h[1] for h in self.held.values())
+        fp16_total, spent_total = sum(h[0] for h in self.held.values()), sum(h[1] for h in self.held.values())
         missed = sorted(i for i, h in self.held.items() if not h[2])
-        if fp16_total < self.ratio * held_total:
+        if fp16_total < self.ratio * spent_total:
             warnings.warn(
-                f"after this prompt the cache holds {fp16_total / held_total:.2f}x fewer bytes than fp16, short of the method's "
-                f"{self.ratio:g}x target: {len(missed)} of {self.layers} layers could not fit even the smallest value codebook "
-                "beside their keys, sinks and window, and kept the full one. The exact sinks and window weigh most on short "
-                "prompts; lower the target (e.g. shard:8x), the window (@window=32) or the key rank (shard:e5)",
+                f"after this prompt the cache holds {fp16_total / spent_total:.2f}x fewer bytes than fp16 (its decode kernels' "
+                f"state counted), short of the method's {self.ratio:g}x target: {len(missed)} of {len(self.order)} layers could "
+                "not fit even the smallest value codebook beside their keys, sinks and window, and kept the full one. The exact "
+                "sinks and window weigh most on short prompts; lower the target (e.g. shard:8x), the window (@window=32) or "
+                "the key rank (shard:e5)",
                 stacklevel=4,
             )
 

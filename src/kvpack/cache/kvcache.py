@@ -204,7 +204,7 @@ class KVCache(Cache):
             self.track(tracker)
         self.budget: MemoryBudget | None = None
         if self.method.prompt_ratio:  # one shared record of the prompt's bytes against the method's byte target
-            target = PromptTarget(self.method.prompt_ratio, len(self.compressed_layers()))
+            target = PromptTarget(self.method.prompt_ratio, tuple(layer.layer_idx for layer in self.compressed_layers()))
             for layer in self.compressed_layers():
                 layer.prompt_target = target
         self.budget_events: list[BudgetEvent] = []  # every demotion, eviction and rematerialization, in order
