@@ -4,6 +4,7 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from kvpack.codecs.base import ByteBudget
 from kvpack.codecs.pca import PCAConfig, PCAKeyCodec
 from kvpack.codecs.vq import VQConfig, VQValueCodec
 from kvpack.primitives.affine import dequantize_affine, quantize_affine
@@ -314,31 +315,36 @@ def test_shard_byte_target_names():
         MethodConfig("x", CodecSpec("int8"), CodecSpec("int8"), prompt_ratio=-2)
 
 
-def _measured_vq_bytes(entries: int, values: torch.Tensor) -> int:
-    """Bytes a VQ codec with `entries` codewords holds for `values`: its encoded tokens plus its state, measured."""
+def _measured_vq_bytes(entries: int, values: torch.Tensor) -> tuple[int, int]:
+    """(encoded tokens, state) bytes a VQ codec with `entries` codewords holds for `values`, measured."""
     codec = VQValueCodec(VQConfig(codebook_size=entries, n_iter=4, fit_points=2048, token_norm=True), D, KV)
-    return codec.encode(values).nbytes() + codec.state_nbytes()
+    return codec.encode(values).nbytes(), codec.state_nbytes()
 
 
 def test_vq_fits_the_largest_codebook_within_a_byte_budget():
     """Given (bytes, tokens), `fit` keeps the largest codebook whose encoded tokens and state fit, as measured by
     encoding with codecs of each size; the chosen codebook encodes, decodes and round-trips its state like a fixed one."""
     values = torch.randn(1, KV, 500, D, generator=torch.Generator().manual_seed(4))
-    measured = {e: _measured_vq_bytes(e, values) for e in (16, 32, 64, 128, 256)}
+    parts = {e: _measured_vq_bytes(e, values) for e in (16, 32, 64, 128, 256)}
+    measured = {e: sum(p) for e, p in parts.items()}
     for allowed, expected in [(measured[64], 64), (measured[128] - 1, 64), (measured[256] + 10, 256), (measured[16], 16)]:
         codec = VQValueCodec(VQConfig(n_iter=4, fit_points=2048, token_norm=True), D, KV)
-        codec.fit(values, byte_budget=(allowed, 500))
+        codec.fit(values, byte_budget=ByteBudget(allowed, 500, 0))
         packed = codec.encode(values)
         assert codec.entries == expected and packed.nbytes() + codec.state_nbytes() == measured[expected] <= allowed
         fresh = VQValueCodec(codec.config, D, KV)
         fresh.load_state_dict(codec.state_dict())
         assert fresh.entries == expected and torch.equal(fresh.decode(packed), codec.decode(packed))
         assert codec.budget_met
-    codec = VQValueCodec(VQConfig(n_iter=4, fit_points=2048, token_norm=True), D, KV)
-    codec.fit(values, byte_budget=(measured[16] - 1, 500))
-    assert codec.entries == 256 and codec.budget_met is False  # a codebook that misses the target anyway would only cost quality
+    # Nothing fits. 16 entries' tokens alone would fit but for the fixed parts (a short prompt): the full codebook,
+    # since a smaller one would miss the target anyway. They would not fit even so (the keys took too much): 16 entries.
+    tokens_16 = parts[16][0]
+    for allowed, fixed, expected in [(measured[16] - 1, 0, 256), (tokens_16 // 2, tokens_16, 256), (tokens_16 // 2, 0, 16)]:
+        codec = VQValueCodec(VQConfig(n_iter=4, fit_points=2048, token_norm=True), D, KV)
+        codec.fit(values, byte_budget=ByteBudget(allowed, 500, fixed))
+        assert codec.entries == expected and codec.budget_met is False
     with pytest.raises(ValueError, match="codebooks"):  # a size no budget chooses is refused on load
-        VQValueCodec(VQConfig(), D, KV).load_state_dict({"scale": codec.scale, "codebooks": codec.codebooks[:, :100]})
+        VQValueCodec(VQConfig(), D, KV).load_state_dict({"scale": codec.scale, "codebooks": torch.zeros(1, 100, 4, dtype=torch.float16)})
 
 
 def test_shard_byte_target_holds_the_cache_measured():

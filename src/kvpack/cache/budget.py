@@ -108,9 +108,9 @@ class PromptTarget:
             warnings.warn(
                 f"after this prompt the cache holds {fp16_total / spent_total:.2f}x fewer bytes than fp16 (its decode kernels' "
                 f"state counted), short of the method's {self.ratio:g}x target: {len(missed)} of {len(self.order)} layers could "
-                "not fit even the smallest value codebook beside their keys, sinks and window, and kept the full one. The exact "
-                "sinks and window weigh most on short prompts; lower the target (e.g. shard:8x), the window (@window=32) or "
-                "the key rank (shard:e5)",
+                "not fit even the smallest value codebook beside their keys, sinks and window (on a short prompt they keep the "
+                "full one: the exact sinks and window weigh most there). Lower the target (e.g. shard:8x), the window "
+                "(@window=32) or the key rank (shard:e5)",
                 stacklevel=4,
             )
 

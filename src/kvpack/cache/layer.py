@@ -16,7 +16,7 @@ import warnings
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from ..codecs.base import Codec, Packed, slice_packed
+from ..codecs.base import ByteBudget, Codec, Packed, slice_packed
 from ..primitives.attention_mass import most_attended, received_attention
 from ..primitives.validation import DEBUG, checks_values, count_non_finite
 from ..registry import EXACT_DTYPES, CodecSpec, MethodConfig
@@ -453,19 +453,20 @@ class KVPackLayer(CacheLayerMixin):
             self.tracker.on_flush(self, k, v, start)
         self._demote()
 
-    def _value_allowance(self, kc: Codec, k: torch.Tensor, positions: torch.Tensor, anchors: int) -> tuple[int, int]:
-        """(bytes, tokens) the prompt's value codec may hold for this layer to end the prompt `prompt_ratio` times below
-        fp16: the fp16 bytes of every token held over the ratio, plus what earlier layers left (`PromptTarget.carry`),
-        less the sinks and the window left behind, the anchors' exact rows, the keys' codes (one encoded token's bytes
-        times the count, `k (b, kv, n, d)` plus the anchors) and the key codec's state twice over, since the CPU kernel
-        derives a copy of the basis on first use (`cpu_lut.int8_basis`), so the target holds while decoding too."""
+    def _value_allowance(self, kc: Codec, k: torch.Tensor, positions: torch.Tensor, anchors: int) -> ByteBudget:
+        """What the prompt's value codec may hold for this layer to end the prompt `prompt_ratio` times below fp16: the
+        fp16 bytes of every token held over the ratio, plus what earlier layers left (`PromptTarget.carry`), less the
+        sinks and the window left behind, the anchors' exact rows, the keys' codes (one encoded token's bytes times the
+        count, `k (b, kv, n, d)` plus the anchors) and the key codec's state twice over, since the CPU kernel derives a
+        copy of the basis on first use (`cpu_lut.int8_basis`), so the target holds while decoding too."""
         b, _, n, _ = k.shape
         exact = sum(t.numel() * t.element_size() for t in (self.sink_k, self.sink_v, self.win_k[:, :, n:], self.win_v[:, :, n:]))
         anchor_rows = anchors * (b * self.kv_heads * (self.head_dim + self.v_head_dim) * self.win_k.element_size() + 8)
         step = kc.token_multiple
         keys = math.ceil(kc.encode(k[:, :, :step], positions[:, :step]).nbytes() * (n + anchors) / step)
         carry = self.prompt_target.carry(self.layer_idx) if self.prompt_target is not None else 0
-        return int(self._fp16_bytes() / self.method.prompt_ratio) + carry - exact - anchor_rows - keys - 2 * kc.state_nbytes(), n + anchors
+        fixed = exact + 2 * kc.state_nbytes()
+        return ByteBudget(int(self._fp16_bytes() / self.method.prompt_ratio) + carry - fixed - anchor_rows - keys, n + anchors, fixed)
 
     def _fp16_bytes(self) -> int:
         """What this layer's tokens would take as fp16 K and V."""

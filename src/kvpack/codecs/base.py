@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 
@@ -158,6 +158,16 @@ def chunked_sum(
     return acc
 
 
+class ByteBudget(NamedTuple):
+    """What a `fits_to_budget` codec may hold for `tokens` tokens: `allowed` bytes, after the rest of the layer took
+    its part, of which `fixed` went to parts that do not grow with the prompt (exact sinks and window, codec state):
+    when nothing fits but `allowed + fixed` would, the prompt is too short for the target, not the codec too large."""
+
+    allowed: int
+    tokens: int
+    fixed: int
+
+
 class Codec(ABC):
     """One compression scheme for one layer's keys or values.
 
@@ -175,8 +185,8 @@ class Codec(ABC):
     # Codecs whose `fit` can use a sample of the prompt's queries (`fit(x, positions, queries=...)`):
     # the cache passes the last prompt queries it saw under kvpack attention, None otherwise.
     fits_on_queries: ClassVar[bool] = False
-    # Codecs whose `fit` can size themselves to a byte allowance (`fit(x, positions, byte_budget=...)`, Shard's VQ
-    # choosing its codebook): the cache passes what a method's `prompt_ratio` leaves them after everything else.
+    # Codecs whose `fit` can size themselves to a byte allowance (`fit(x, positions, byte_budget=ByteBudget(...))`,
+    # Shard's VQ choosing its codebook): the cache passes what a method's `prompt_ratio` leaves them.
     fits_to_budget: ClassVar[bool] = False
 
     @property

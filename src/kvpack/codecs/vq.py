@@ -23,7 +23,7 @@ from ..kernels import cpu_lut
 from ..primitives.kmeans import kmeans
 from ..primitives.packing import pack_bits, packed_length, unpack_bits
 from ..primitives.rotation import derive_seed, hadamard_transform, is_power_of_two, random_signs
-from .base import Codec, Packed, check_state, group_query, ungroup
+from .base import ByteBudget, Codec, Packed, check_state, group_query, ungroup
 
 _CHUNK_ELEMENTS = 1 << 22  # float32 entries of looked-up codewords held at once in `weighted_sum`
 MIN_BUDGET_ENTRIES = 16  # the smallest codebook a byte budget may choose (`VQValueCodec._sizes`)
@@ -159,18 +159,25 @@ class VQValueCodec(Codec):
         state = 3 * self.kv_heads * self.head_dim + 2 * books * entries * self.config.group_size
         return batch * self.kv_heads * tokens * per_token + state
 
-    def _entries_within(self, budget: tuple[int, int], batch: int) -> int:
-        """The largest codebook in `_sizes()` whose bytes for `budget = (bytes, tokens)` fit (`budget_met`). When none
-        does (a short prompt, where the exact sinks and window weigh most), `codebook_size`: a smaller codebook would
-        cost quality without meeting the target (at 1K tokens on SmolLM2, 16 entries lost 2 of 6 needles)."""
-        allowed, tokens = budget
+    def _entries_within(self, budget: ByteBudget, batch: int) -> int:
+        """The largest codebook in `_sizes()` whose bytes for `budget.tokens` tokens fit `budget.allowed` (`budget_met`).
+        When none does:
+        - on a short prompt (the smallest codebook's tokens would fit, were it not for the parts that do not grow with
+          the prompt) `codebook_size`: a smaller codebook would cost quality without reaching the target, and a short
+          prompt is a small cache (on a 1K prompt, where no layer of SmolLM2 reaches 10x, 16 entries lost 2 of 6 needles);
+        - where this layer's keys leave too little at any length, the smallest: the layers after it make up the rest."""
+        allowed, tokens, fixed = budget
         fitting = next((e for e in self._sizes() if self.budget_nbytes(e, batch, tokens) <= allowed), None)
         self.budget_met = fitting is not None
-        return self.config.codebook_size if fitting is None else fitting
+        if fitting is not None:
+            return fitting
+        smallest = self._sizes()[-1]
+        short = self.budget_nbytes(smallest, batch, tokens) - self.budget_nbytes(smallest, 0, 0) <= allowed + fixed
+        return self.config.codebook_size if short else smallest
 
-    def fit(self, x: torch.Tensor, positions: torch.Tensor | None = None, byte_budget: tuple[int, int] | None = None) -> None:
-        """Channel scales and codebook(s) from values `x (batch, kv_heads, tokens, head_dim)`. byte_budget: (bytes, tokens):
-        the codebook is then the largest of `_sizes()` whose bytes for that many tokens fit (`MethodConfig.prompt_ratio`)."""
+    def fit(self, x: torch.Tensor, positions: torch.Tensor | None = None, byte_budget: ByteBudget | None = None) -> None:
+        """Channel scales and codebook(s) from values `x (batch, kv_heads, tokens, head_dim)`. byte_budget: the codebook
+        is then the largest of `_sizes()` whose bytes fit it (`_entries_within`, `MethodConfig.prompt_ratio`)."""
         self._check(x)
         cfg = self.config
         self._set_entries(cfg.codebook_size if byte_budget is None else self._entries_within(byte_budget, x.shape[0]))
