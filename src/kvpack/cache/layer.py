@@ -466,7 +466,7 @@ class KVPackLayer(CacheLayerMixin):
         keys = math.ceil(kc.encode(k[:, :, :step], positions[:, :step]).nbytes() * (n + anchors) / step)
         carry = self.prompt_target.carry(self.layer_idx) if self.prompt_target is not None else 0
         fixed = exact + 2 * kc.state_nbytes()
-        return ByteBudget(int(self._fp16_bytes() / self.method.prompt_ratio) + carry - fixed - anchor_rows - keys, n + anchors, fixed)
+        return ByteBudget(int(self._fp16_bytes() / self.method.prompt_ratio) + carry - fixed - anchor_rows - keys, n + anchors, fixed, carry)
 
     def _fp16_bytes(self) -> int:
         """What this layer's tokens would take as fp16 K and V."""

@@ -160,12 +160,14 @@ def chunked_sum(
 
 class ByteBudget(NamedTuple):
     """What a `fits_to_budget` codec may hold for `tokens` tokens: `allowed` bytes, after the rest of the layer took
-    its part, of which `fixed` went to parts that do not grow with the prompt (exact sinks and window, codec state):
-    when nothing fits but `allowed + fixed` would, the prompt is too short for the target, not the codec too large."""
+    its part, of which `fixed` went to parts that do not grow with the prompt (exact sinks and window, codec state)
+    and which includes `carry`, what other layers left (or owe). When nothing fits but `allowed - carry + fixed`
+    would, the prompt is too short for the target, not the codec too large."""
 
     allowed: int
     tokens: int
-    fixed: int
+    fixed: int = 0
+    carry: int = 0
 
 
 class Codec(ABC):

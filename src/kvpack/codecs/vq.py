@@ -162,17 +162,19 @@ class VQValueCodec(Codec):
     def _entries_within(self, budget: ByteBudget, batch: int) -> int:
         """The largest codebook in `_sizes()` whose bytes for `budget.tokens` tokens fit `budget.allowed` (`budget_met`).
         When none does:
-        - on a short prompt (the smallest codebook's tokens would fit, were it not for the parts that do not grow with
-          the prompt) `codebook_size`: a smaller codebook would cost quality without reaching the target, and a short
-          prompt is a small cache (on a 1K prompt, where no layer of SmolLM2 reaches 10x, 16 entries lost 2 of 6 needles);
+        - on a short prompt (the smallest codebook's tokens would fit the layer's own share, were it not for the parts
+          that do not grow with the prompt) `codebook_size`: a smaller codebook would cost quality without reaching the
+          target, and a short prompt is a small cache (on 1K prompts, where no layer of SmolLM2 reaches 10x, 16
+          entries lost 2 of 6 needles). The carry is left out of that test: other layers' debts on a short prompt
+          must not make this one look long;
         - where this layer's keys leave too little at any length, the smallest: the layers after it make up the rest."""
-        allowed, tokens, fixed = budget
+        allowed, tokens, fixed, carry = budget
         fitting = next((e for e in self._sizes() if self.budget_nbytes(e, batch, tokens) <= allowed), None)
         self.budget_met = fitting is not None
         if fitting is not None:
             return fitting
         smallest = self._sizes()[-1]
-        short = self.budget_nbytes(smallest, batch, tokens) - self.budget_nbytes(smallest, 0, 0) <= allowed + fixed
+        short = self.budget_nbytes(smallest, batch, tokens) - self.budget_nbytes(smallest, 0, 0) <= allowed - carry + fixed
         return self.config.codebook_size if short else smallest
 
     def fit(self, x: torch.Tensor, positions: torch.Tensor | None = None, byte_budget: ByteBudget | None = None) -> None:
