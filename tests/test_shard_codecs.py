@@ -336,12 +336,14 @@ def test_vq_fits_the_largest_codebook_within_a_byte_budget():
         fresh.load_state_dict(codec.state_dict())
         assert fresh.entries == expected and torch.equal(fresh.decode(packed), codec.decode(packed))
         assert codec.budget_met
-    # Nothing fits. 16 entries' tokens alone would fit but for the fixed parts (a short prompt): the full codebook,
-    # since a smaller one would miss the target anyway. They would not fit even so (the keys took too much): 16 entries.
+    # Nothing fits. 16 entries' tokens alone would fit the layer's own share but for the fixed parts (a short prompt,
+    # whatever other layers owe): the full codebook, since a smaller one would miss the target anyway. They would not
+    # fit even so (the keys took too much): 16 entries.
     tokens_16 = parts[16][0]
-    for allowed, fixed, expected in [(measured[16] - 1, 0, 256), (tokens_16 // 2, tokens_16, 256), (tokens_16 // 2, 0, 16)]:
+    for allowed, fixed, carry, expected in [(measured[16] - 1, 0, 0, 256), (tokens_16 // 2, tokens_16, 0, 256),
+                                            (tokens_16 // 2, 0, -tokens_16, 256), (tokens_16 // 2, 0, 0, 16), (tokens_16 // 2, 0, 10, 16)]:
         codec = VQValueCodec(VQConfig(n_iter=4, fit_points=2048, token_norm=True), D, KV)
-        codec.fit(values, byte_budget=ByteBudget(allowed, 500, fixed))
+        codec.fit(values, byte_budget=ByteBudget(allowed, 500, fixed, carry))
         assert codec.entries == expected and codec.budget_met is False
     with pytest.raises(ValueError, match="codebooks"):  # a size no budget chooses is refused on load
         VQValueCodec(VQConfig(), D, KV).load_state_dict({"scale": codec.scale, "codebooks": torch.zeros(1, 100, 4, dtype=torch.float16)})
