@@ -345,3 +345,19 @@ def test_core_imports_and_runs_without_the_eval_extras():
     """)
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-2000:]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_abs_max_is_the_largest_magnitude_and_carries_nan_and_inf(dtype):
+    """`abs_max` against `x.abs().max()` elementwise, with NaN wherever a NaN is (first, last, beside an Inf) and
+    inf for +Inf or -Inf alone: one pass serves both of the cache's checks on new K/V."""
+    x = torch.randn(2, 3, 7, 16).to(dtype)
+    assert validation.abs_max(x) == float(x.abs().max()) and validation.abs_max(x[:, :, :0]) == 0.0
+    for index in (0, -1):
+        for bad, expected in ((float("nan"), "nan"), (float("inf"), "inf"), (-float("inf"), "inf")):
+            y = x.clone().flatten()
+            y[index] = bad
+            got = validation.abs_max(y.view_as(x))
+            assert (got != got) if expected == "nan" else got == float("inf")
+    both = torch.tensor([float("inf"), 1.0, float("nan")], dtype=dtype)
+    assert validation.abs_max(both) != validation.abs_max(both)

@@ -8,9 +8,10 @@ import torch
 from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
 
 from .. import kernels
+from ..primitives.validation import DEBUG
 from ..registry import DEFAULT_METHOD, MethodConfig, apply_suffixes, get_method, split_suffixes
 from .budget import BudgetEvent, LayerShare, MemoryBudget, PromptTarget, rematerialize
-from .layer import DEBUG, PENDING, KVPackLayer, deepcopy_sharing
+from .layer import PENDING, KVPackLayer, deepcopy_sharing
 from .tracker import QualityTracker
 
 # Architectures whose attention modules were verified to call `past_key_values.update` with

@@ -18,7 +18,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from ..codecs.base import ByteBudget, Codec, Packed, slice_packed
 from ..primitives.attention_mass import most_attended, received_attention
-from ..primitives.validation import DEBUG, checks_values, count_non_finite
+from ..primitives.validation import abs_max, checks_values
 from ..registry import EXACT_DTYPES, CodecSpec, MethodConfig
 from . import budget
 from .anchors import AnchorSet
@@ -63,8 +63,9 @@ def deepcopy_sharing(obj, memo: dict, *shared) -> object:
     return new
 
 
-def check_new_states(k: torch.Tensor, v: torch.Tensor, layer_idx: int) -> None:
-    """Reject what a cache must not store, before anything is stored."""
+def check_new_states(k: torch.Tensor, v: torch.Tensor, layer_idx: int) -> float | None:
+    """Reject what a cache must not store, before anything is stored. Returns the largest |entry| of `k` and `v`
+    where their values are read (`checks_values`), else None, for the float16 range check of the exact parts."""
     for name, t in (("key_states", k), ("value_states", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -76,11 +77,15 @@ def check_new_states(k: torch.Tensor, v: torch.Tensor, layer_idx: int) -> None:
         raise ValueError(f"key and value states disagree on (batch, kv_heads, tokens): {tuple(k.shape)} vs {tuple(v.shape)}")
     # NaN/Inf are refused here, once per update and layer (one pass over the new tokens only): always on CPU,
     # on an accelerator (a host sync per layer) only with KVPACK_DEBUG=1; see primitives/validation.py.
-    if checks_values(k) and (count_non_finite(k) or count_non_finite(v)):
+    if not checks_values(k):
+        return None
+    peaks = abs_max(k), abs_max(v)
+    if not all(math.isfinite(p) for p in peaks):
         raise ValueError(
             f"layer {layer_idx}: the new key/value states contain NaN or Inf, so nothing was stored (the cache is unchanged). "
             "The model produced them: check its inputs and dtype (float16 activations can overflow; try bfloat16 or float32)."
         )
+    return max(peaks)
 
 
 class Segment:
@@ -254,7 +259,7 @@ class KVPackLayer(CacheLayerMixin):
 
         Everything is checked before anything is stored: a rejected update leaves the layer as it was.
         """
-        check_new_states(key_states, value_states, self.layer_idx)
+        peak = check_new_states(key_states, value_states, self.layer_idx)
         if self.budget is not None:
             self._check_budget(key_states, value_states)
         if not self.is_initialized:
@@ -267,7 +272,7 @@ class KVPackLayer(CacheLayerMixin):
                 "mid-generation?). Use a fresh cache, and keep kvpack.enable(model) on for its whole life."
             )
         if self.exact_dtype == torch.float16 and key_states.dtype != torch.float16:
-            self._check_fits_fp16(key_states, value_states)
+            self._check_fits_fp16(peak)
         key_states, value_states = key_states.to(self.exact_dtype), value_states.to(self.exact_dtype)
         n_sink = min(max(self.sink_target - self.sink_k.shape[2], 0), key_states.shape[2])
         if n_sink:
@@ -700,9 +705,10 @@ class KVPackLayer(CacheLayerMixin):
         if not self.is_initialized:
             budget.check_share(self, k, v)
 
-    def _check_fits_fp16(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Sinks and window are stored in fp16 by default: refuse values fp16 would turn into Inf."""
-        if (DEBUG or k.device.type == "cpu") and k.numel() and max(k.abs().amax(), v.abs().amax()) > torch.finfo(torch.float16).max:
+    def _check_fits_fp16(self, peak: float | None) -> None:
+        """Sinks and window are stored in fp16 by default: refuse values fp16 would turn into Inf. `peak`: the new
+        states' largest |entry| (`check_new_states`), None where values are not read (an accelerator without DEBUG)."""
+        if peak is not None and peak > torch.finfo(torch.float16).max:
             raise ValueError(
                 f"layer {self.layer_idx}: key/value states exceed the float16 range (65504) of kvpack's exact sinks and window, "
                 "so nothing was stored; build the method with exact_dtype='bfloat16' or 'native', e.g. "
