@@ -183,6 +183,54 @@ def test_fused_decode_equals_reference_over_dequantized_cache(method, gqa):
     torch.testing.assert_close(out, _reference_attention(layer, q, d**-0.5), atol=2e-4, rtol=1e-3)
 
 
+@pytest.mark.parametrize("gqa", [1, 3])
+def test_turning_mean_keys_decode_fused_and_through_ops_as_over_the_dequantized_cache(monkeypatch, gqa):
+    """`turboquant:k3v2+ropemean` on keys with a constant component before RoPE (so pairs turn and the kernel adds
+    their per-token term): the CPU kernel, the custom ops (torch references; Triton under its interpreter) and plain
+    attention over the dequantized cache agree, over the prompt's tokens and a later block at other positions."""
+    from kvpack import attention, kernels
+    from kvpack.codecs.base import group_query, ungroup
+    from kvpack.primitives.rope import apply_rope, rope_cos_sin
+
+    torch.manual_seed(gqa)
+    b, hk, d, n = 2, 2, 64, 4 + 64 * 5 + 37
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    layer = KVPackLayer(get_method("turboquant:k3v2+ropemean"), 0, _Cfg(), (inv_freq, 1.0))
+    offset = 4 * torch.randn(1, hk, 1, d)
+
+    def keys(start, count):
+        cos, sin = rope_cos_sin(torch.arange(start, start + count)[None].expand(b, -1), inv_freq)
+        return apply_rope(offset + torch.randn(b, hk, count, d), cos, sin)
+
+    layer.update(keys(0, n), torch.randn(b, hk, n, d))
+    layer.flush()
+    coded = sum(seg.length for seg in layer.segments)
+    for step in range(70):  # a block of decoded tokens leaves the window and is coded at its own positions
+        layer.update(keys(n + step, 1), torch.randn(b, hk, 1, d))
+        layer.flush()  # what kvpack attention does after reading each step
+    assert sum(seg.length for seg in layer.segments) > coded and all(seg.key_codec._turning_state() is not None for seg in layer.segments)
+    q = torch.randn(b, hk * gqa, 1, d)
+    ref = _reference_attention(layer, q, d**-0.5)
+    torch.testing.assert_close(segmented_attention(layer, q, None, d**-0.5), ref, atol=2e-4, rtol=1e-3)
+    if kernels.available():
+        torch.testing.assert_close(attention.fused_decode(layer, q, d**-0.5), ref, atol=2e-4, rtol=1e-3)
+        from kvpack.kernels import fused
+
+        for seg in layer.segments:  # through the kernel, not the codec's torch scores
+            assert fused.segment_partial(group_query(q, hk), seg, d**-0.5, attention._first_position(layer, seg)) is not None
+    from kvpack.kernels import fused, ops
+
+    backends = ["torch", *(["triton"] if ops.triton_available() else [])]
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    for backend in backends:  # the route a CUDA step takes: the turning term rides into the op as an additive bias
+        monkeypatch.setattr(ops, "_override", ops.Backend(backend))
+        out = ungroup(attention._ops_decode(layer, group_query(q, hk), q, d**-0.5), hk * gqa)
+        atol = 1e-3 if backend == "triton" else 2e-4  # Triton's q·k takes fp16 operands (docs/gpu.md); keys 4x the unit scale
+        torch.testing.assert_close(out, ref, atol=atol, rtol=1e-3, msg=lambda m, backend=backend: f"{backend}: {m}")
+        for seg in layer.segments:
+            assert fused.ops_segment_partial(group_query(q, hk), seg, d**-0.5, attention._first_position(layer, seg)) is not None
+
+
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 @pytest.mark.parametrize("method", ["turboquant:k3v2", "int8", "shard:tq4", "shard:k3v2+e1", "kivi:2"])
 def test_device_decode_path_through_custom_ops(monkeypatch, backend, method):

@@ -17,6 +17,7 @@ from kvpack.codecs.polarquant import PolarQuantCodec, PolarQuantConfig
 from kvpack.codecs.qjl import QJLCodec, QJLConfig
 from kvpack.codecs.turboquant import TurboQuantCodec, TurboQuantConfig
 from kvpack.primitives.lloyd_max import expected_mse
+from kvpack.primitives.rope import apply_rope, rope_cos_sin
 from kvpack.registry import CodecSpec, get_method
 
 torch.set_num_threads(1)
@@ -374,3 +375,83 @@ def test_centering_removes_shared_offset_error_and_stays_exact_in_compressed_dom
     torch.testing.assert_close(codec.scores(q, packed), ref_s, rtol=1e-4, atol=1e-3)
     ref_o = (p.reshape(2, 2, 12, 256) @ keys).reshape(2, 8, 3, 64)
     torch.testing.assert_close(codec.weighted_sum(p, packed), ref_o, rtol=1e-4, atol=1e-3)
+
+
+def _roped_keys_with_constant_component(tokens=512, d=64, kv=2, seed=0):
+    """Keys RoPE(offset + noise) at positions 7..: a constant un-RoPEd component (a QKV bias, a massive
+    channel) that RoPE turns with position. Returns keys, positions, inv_freq and the offset."""
+    gen = torch.Generator().manual_seed(seed)
+    inv_freq = 1.0 / (1e4 ** (torch.arange(0, d, 2).float() / d))
+    positions = torch.arange(7, 7 + tokens)[None].expand(2, -1)
+    offset = 5 * torch.randn(kv, d, generator=gen)
+    cos, sin = rope_cos_sin(positions, inv_freq)
+    keys = apply_rope(offset[None, :, None, :] + torch.randn(2, kv, tokens, d, generator=gen), cos, sin)
+    return keys, positions, inv_freq, offset
+
+
+def test_rope_center_fits_the_unroped_mean_and_cuts_the_error_of_a_turning_component():
+    """A post-RoPE mean cannot remove a component that turns with position; the un-RoPEd mean can. Checked
+    against the known offset, and against post-RoPE centering on the same keys."""
+    keys, positions, inv_freq, offset = _roped_keys_with_constant_component()
+    errors = {}
+    for rope_center in (False, True):
+        codec = TurboQuantCodec(TurboQuantConfig(3, center=True, channel_scale=0.5, rope_center=rope_center), 64, 2)
+        if rope_center:
+            codec.set_rope(inv_freq)
+        packed = codec.encode(keys, positions)
+        errors[rope_center] = ((codec.decode(packed, positions) - keys).norm() / keys.norm()).item()
+    # What is left after its center is about the noise the keys were built from (64 per token, unit variance):
+    # the offset is gone, turned to each position on the pairs that turn, as a constant on those that barely do.
+    left = (keys - codec._center(positions, 2, keys.shape[2], keys.device)).pow(2).sum(-1).mean()
+    constant_left = (keys - keys.mean(dim=(0, 2), keepdim=True)).pow(2).sum(-1).mean()
+    assert left < 64 * 1.1 and constant_left > 64 * 4, (left, constant_left)
+    turning = codec.rope_mean[:, :32] != 0
+    assert turning[:, :8].all() and not turning[:, -4:].any()  # fast pairs turn, the slowest stay constant
+    assert codec.uses_positions and codec.kernel_kind == "tq"
+    assert errors[True] < errors[False] / 2, errors
+
+
+def test_rope_center_scores_equal_decoded_keys_at_their_positions():
+    keys, positions, inv_freq, _ = _roped_keys_with_constant_component(tokens=100)
+    codec = TurboQuantCodec(TurboQuantConfig(3, center=True, channel_scale=0.5, rope_center=True), 64, 2)
+    codec.set_rope(inv_freq)
+    packed = codec.encode(keys, positions)
+    q = torch.randn(2, 6, 3, 64)
+    dense = codec.decode(packed, positions).repeat_interleave(3, dim=1)
+    torch.testing.assert_close(codec.scores(q, packed, None, positions), q @ dense.mT, atol=2e-4, rtol=1e-4)
+    # A later block, decoded alone at its own positions, reads the same as the matching tokens of the whole.
+    part = slice_packed(packed, 40, 70)
+    torch.testing.assert_close(codec.decode(part, positions[:, 40:70]), codec.decode(packed, positions)[:, :, 40:70])
+    with pytest.raises(ValueError, match="positions"):
+        codec.scores(q, packed)
+    with pytest.raises(ValueError, match="key option"):
+        codec.weighted_sum(torch.rand(2, 6, 3, 100), packed)
+
+
+def test_rope_center_config_and_method_name():
+    with pytest.raises(ValueError, match="needs center=True"):
+        TurboQuantConfig(3, rope_center=True)
+    with pytest.raises(ValueError, match="rope_center must be True or False"):
+        TurboQuantConfig(3, center=True, rope_center=1)
+    method = get_method("turboquant:k3v2+ropemean")
+    assert method.key.options["rope_center"] and "rope_center" not in method.value.options
+    assert "rope_center" not in get_method("turboquant:k3v2").key.options
+    with pytest.raises(ValueError, match=r"\+ropemean"):
+        get_method("turboquant:k3v2+ropemean+qjl")
+
+
+def test_rope_center_keeps_at_most_the_kernels_bound_of_turning_pairs():
+    """A head dim of 256 (Gemma's) whose every pair carries a large pre-RoPE constant: the fit keeps the 64 pairs that
+    gain most (the CPU kernel's bound), never the near-still slowest, and the rest stay centered on the constant mean."""
+    from kvpack.codecs.turboquant import MAX_TURNING_PAIRS
+
+    keys, positions, inv_freq, _ = _roped_keys_with_constant_component(tokens=1024, d=256, kv=1)
+    codec = TurboQuantCodec(TurboQuantConfig(3, center=True, rope_center=True), 256, 1)
+    codec.set_rope(inv_freq)
+    codec.fit(keys, positions)
+    turning = codec.rope_mean[0, :128] != 0
+    assert int(turning.sum()) == MAX_TURNING_PAIRS == 64
+    assert not turning[-16:].any()  # pair i turns at θ_i = 10000^(-i/128): the last turn < 0.4 rad over 1024 tokens
+    assert bool(((codec.rope_mean != 0) & (codec.mean != 0)).sum() == 0)  # each coordinate has one center, not two
+    pair, mu, freq, table = codec._turning_state()
+    assert pair.shape == (1, 64) and table.shape == (128, 2, 64)

@@ -276,6 +276,71 @@ def test_dense_attention_matches_reference(dtype, b, h, r, d, t):
         assert (a - e).abs().max() <= 1e-5 * (1 + e.abs().max())
 
 
+def _turning(b, h, r, d, m, gen, pos_hi=9000):
+    """Random `turning` tensors: each head's m pairs (distinct), their means, the model's frequencies and phasor table."""
+    half = d // 2
+    pair = torch.stack([torch.randperm(half, generator=gen)[:m] for _ in range(h)])
+    freq, table = cpu_lut.phasor_table(1.0 / (1e4 ** (torch.arange(0, d, 2).float() / d)))
+    mu = torch.randn(h, m, 2, generator=gen) * 3
+    return (torch.randn(b, h, r, d, generator=gen), pair, mu, freq, table, torch.randint(0, pos_hi, (b,), generator=gen))
+
+
+@pytest.mark.parametrize("b,h,r,d,t,m", [(1, 3, 3, 64, 1100, 9), (2, 2, 7, 64, 217, 32), (1, 1, 1, 128, 600, 1), (3, 2, 16, 96, 513, 20),
+                                         (1, 2, 4, 256, 31, 64)])
+def test_tq_attention_with_turning_means_matches_reference(b, h, r, d, t, m):
+    """Keys centered on a turning mean: the kernel's tiled phasors against a float64 cos/sin per token and pair,
+    with anchors skipped, over splits (t > 512) and part tiles (t % 16 != 0)."""
+    gen = torch.Generator().manual_seed(t + m)
+    codes = [pack_bits(torch.randint(0, 2**bits, (b, h, t, d), generator=gen), bits) for bits in (3, 2)]
+    norms = [(torch.rand(b, h, t, 1, generator=gen) + 0.5).half() for _ in range(2)]
+    turning = _turning(b, h, r, d, m, gen)
+    args = (torch.randn(b, h, r, d, generator=gen), torch.randn(b, h, r, 1, generator=gen), codes[0], norms[0],
+            lloyd_max_codebook(d, 3).centroids, 3, codes[1], norms[1], lloyd_max_codebook(d, 2).centroids, 2, 0.125)
+    skip = torch.tensor([0, t // 2, t - 1]).unique()
+    out = _normalized(cpu_lut.tq_attention(*args, skip=skip, turning=turning))
+    s = cpu_lut.lut_scores_reference(args[0], codes[0], norms[0], args[4], 3) + args[1] + cpu_lut.turning_scores_reference(turning, t)
+    s[..., skip] = float("-inf")
+    v = cpu_lut.lut_centroids_reference(codes[1], args[8], 2, d) * norms[1].float()
+    ref = _normalized(cpu_lut.partial_reference(s * 0.125, v))
+    for a, e in zip(out, ref, strict=True):
+        assert (a - e).abs().max() <= 2e-5 * (1 + e.abs().max())
+    # The turning term is large here (|μ| ~ 3 against unit codes): without it the log-sum-exp would be far off.
+    assert (_normalized(cpu_lut.tq_attention(*args, skip=skip))[1] - ref[1]).abs().max() > 1e-2
+
+
+def test_turning_scores_reference_equals_rope_of_the_mean():
+    """The reference's A cos + B sin form against the plain route: RoPE the pair's mean to each position, dot with q."""
+    from kvpack.primitives.rope import apply_rope, rope_cos_sin
+
+    gen = torch.Generator().manual_seed(5)
+    b, h, r, d, t = 2, 3, 4, 64, 50
+    q, pair, mu, freq, w, pos0 = _turning(b, h, r, d, 7, gen)
+    mean = torch.zeros(h, d)
+    mean.scatter_(1, pair, mu[..., 0])
+    mean.scatter_(1, pair + d // 2, mu[..., 1])
+    inv_freq = 1.0 / (1e4 ** (torch.arange(0, d, 2).float() / d))
+    cos, sin = rope_cos_sin(pos0[:, None] + torch.arange(t), inv_freq)
+    rotated = apply_rope(mean[None, :, None, :].expand(b, h, t, d), cos, sin)
+    torch.testing.assert_close(cpu_lut.turning_scores_reference((q, pair, mu, freq, w, pos0), t), q @ rotated.mT, rtol=1e-4, atol=2e-3)
+
+
+def test_tq_attention_turning_names_the_problem():
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, 3, 64)
+    codes = pack_bits(torch.zeros(1, 2, 8, 64, dtype=torch.long), 2)
+    norm = torch.ones(1, 2, 8, 1, dtype=torch.float16)
+    cent = lloyd_max_codebook(64, 2).centroids
+    turning = _turning(1, 2, 3, 64, 4, gen)
+    with pytest.raises(ValueError, match="6 tensors"):
+        cpu_lut.tq_attention(q, None, codes, norm, cent, 2, codes, norm, cent, 2, 1.0, turning=turning[:5])
+    with pytest.raises(ValueError, match="turning freq"):
+        cpu_lut.tq_attention(q, None, codes, norm, cent, 2, codes, norm, cent, 2, 1.0, turning=(*turning[:3], turning[3].float(), *turning[4:]))
+    bad_pair = turning[1].clone()
+    bad_pair[0, 0] = 32
+    with pytest.raises(ValueError, match=r"\[0, 32\)"):
+        cpu_lut.tq_attention(q, None, codes, norm, cent, 2, codes, norm, cent, 2, 1.0, turning=(turning[0], bad_pair, *turning[2:]))
+
+
 def test_tq_attention_refuses_too_many_rows():
     q = torch.randn(1, 1, 17, 64)
     codes = pack_bits(torch.zeros(1, 1, 8, 64, dtype=torch.long), 2)

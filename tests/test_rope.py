@@ -8,7 +8,7 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 from transformers.models.llama.modeling_llama import rotate_half as hf_rotate_half
 
-from kvpack.primitives.rope import apply_rope, relative_rope_scores, rope_cos_sin, rotate_half, undo_rope
+from kvpack.primitives.rope import apply_rope, relative_rope_scores, rope_cos_sin, rope_mean_scores, rotate_half, undo_rope
 
 HEAD_DIM = 64
 
@@ -72,3 +72,16 @@ def test_relative_identity_equals_rope_matmul(seed, q_len, tokens, scaling):
     got = relative_rope_scores(q0, k0, delta, inv_freq, scaling)
     # The reference rounds θp in float32 (error ~ p * 6e-8 rad); the identity uses exact θΔ.
     torch.testing.assert_close(got, ref, rtol=0, atol=5e-3 * scaling**2 * HEAD_DIM**0.5)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(0, 2**20), st.integers(1, 4), st.integers(1, 9), st.floats(0.5, 2.0))
+def test_rope_mean_scores_equal_products_with_rotated_means(seed, rows, tokens, scaling):
+    """`rope_mean_scores` against the plain route: rotate the mean to every key position, then a matmul."""
+    gen = torch.Generator().manual_seed(seed)
+    inv_freq = 1.0 / (1e4 ** (torch.arange(0, HEAD_DIM, 2).float() / HEAD_DIM))
+    q = torch.randn(2, 3, rows, HEAD_DIM, generator=gen)
+    mean = torch.randn(3, HEAD_DIM, generator=gen)
+    cos, sin = rope_cos_sin(torch.randint(0, 3000, (2, tokens), generator=gen), inv_freq, scaling)
+    rotated = apply_rope(mean[None, :, None, :].expand(2, 3, tokens, HEAD_DIM), cos, sin)  # (2, 3, tokens, d)
+    torch.testing.assert_close(rope_mean_scores(q, mean, cos, sin), q @ rotated.mT, rtol=1e-5, atol=1e-4)

@@ -376,16 +376,19 @@ def _int8(arg: str) -> MethodConfig:
     return MethodConfig("int8", spec, spec)
 
 
-@method("turboquant", "k4v4", "k3v3", "k3v2", "k3v3+qjl")
+@method("turboquant", "k4v4", "k3v3", "k3v2", "k3v3+qjl", "k3v2+ropemean")
 def _turboquant(arg: str) -> MethodConfig:
-    match = re.fullmatch(r"k([1-4])v([1-4])(\+qjl)?", arg or "k3v2")
+    match = re.fullmatch(r"k([1-4])v([1-4])(\+qjl)?(\+ropemean)?", arg or "k3v2")
     if not match:
-        raise ValueError(f"turboquant takes 'kXvY' with X, Y in 1..4 and an optional '+qjl' (e.g. turboquant:k3v3), got {arg!r}")
+        raise ValueError(f"turboquant takes 'kXvY' with X, Y in 1..4, then optionally '+qjl' and '+ropemean' in that order "
+                         f"(e.g. turboquant:k3v3, turboquant:k3v2+ropemean), got {arg!r}")
     kb, vb, qjl = int(match[1]), int(match[2]), bool(match[3])
     # kvpack normalizes before TurboQuant (see TurboQuantConfig): keys are centered and divided by
     # RMS^0.5 per channel (Qwen2's outlier channels; full RMS scaling cost SmolLM2 +1.7% at 3 bits,
-    # alpha 0.5 +0.7%), values are centered only.
-    key = CodecSpec("turboquant", {"bits": kb, "qjl": qjl, "center": True, "channel_scale": 0.5})
+    # alpha 0.5 +0.7%), values are centered only. '+ropemean' centers keys on their mean taken before RoPE, rotated
+    # back to each token's position (TurboQuantConfig.rope_center): RoPE turns a constant key component into one that
+    # turns with position, which a post-RoPE mean cannot remove (docs/decisions.md).
+    key = CodecSpec("turboquant", {"bits": kb, "qjl": qjl, "center": True, "channel_scale": 0.5, **({"rope_center": True} if match[4] else {})})
     return MethodConfig(f"turboquant:{arg or 'k3v2'}", key, CodecSpec("turboquant", {"bits": vb, "center": True}))
 
 

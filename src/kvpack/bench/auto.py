@@ -159,9 +159,10 @@ def main(argv: list[str] | None = None) -> int:
     methods = [f"auto:{t}%" for t in args.targets.split(",") if t] + [m for m in args.fixed.split(",") if m]
     requested = set(methods)  # what this run answers for, infeasible targets included: a merge keeps only the rest
     model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype))
-    profile = auto.load_profile(model)  # a missing profile fails now, not after the baseline
-    out = {"environment": environment(PROG, argv), "config": vars(args), "profile": {"path": str(auto.profile_path(model)),
-           "calibration": profile["calibration"], "kvpack_version": profile["kvpack_version"]}, "rows": []}
+    out = {"environment": environment(PROG, argv), "config": vars(args), "rows": []}
+    if any(m.startswith("auto:") for m in methods):  # only auto methods read a profile (fixed ones alone run without)
+        profile = auto.load_profile(model)  # a missing profile fails now, not after the baseline
+        out["profile"] = {"path": str(auto.profile_path(model)), "calibration": profile["calibration"], "kvpack_version": profile["kvpack_version"]}
     for m in [m for m in methods if m.startswith("auto:")]:
         try:
             auto.auto_method(model, m)

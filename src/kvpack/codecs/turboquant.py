@@ -27,6 +27,7 @@ from ..kernels import cpu_lut, ops
 from ..primitives.lloyd_max import DISTRIBUTIONS, Codebook, lloyd_max_codebook
 from ..primitives.packing import pack_bits, unpack_bits
 from ..primitives.qjl import qjl_matrix
+from ..primitives.rope import apply_rope, rope_mean_scores, undo_rope
 from ..primitives.rotation import (
     derive_seed,
     hadamard_matrix,
@@ -38,11 +39,14 @@ from ..primitives.rotation import (
 )
 from ..primitives.validation import check_query
 from .base import Codec, Packed, check_state, chunked_scores, chunked_sum, group_query, ungroup
+from .rope_keys import UnRopedKeys
 
 ROTATIONS = ("auto", "qr", "hadamard")
 
 # Fewer vectors per channel than this and the channel mean / RMS are not estimated (see `fit`).
 MIN_FIT_SAMPLES = 32
+# Turning RoPE pairs per head a `rope_center` fit keeps at most (the CPU kernel's bound; d = 64 has 32 pairs).
+MAX_TURNING_PAIRS = 64
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,7 @@ class TurboQuantConfig:
     seed: int = 0
     center: bool = False
     channel_scale: float = 0.0
+    rope_center: bool = False
 
     def __post_init__(self):
         if self.bits not in (1, 2, 3, 4):
@@ -85,6 +90,10 @@ class TurboQuantConfig:
             raise ValueError(f"codebook must be one of {DISTRIBUTIONS}, got {self.codebook!r}")
         if not 0.0 <= float(self.channel_scale) <= 1.0:
             raise ValueError(f"channel_scale must be in [0, 1] (0 disables), got {self.channel_scale!r}")
+        if not isinstance(self.rope_center, bool):
+            raise ValueError(f"rope_center must be True or False, got {self.rope_center!r}")
+        if self.rope_center and not self.center:
+            raise ValueError("rope_center centers keys on their un-RoPEd mean: it needs center=True")
 
     @property
     def mse_bits(self) -> int:
@@ -113,16 +122,49 @@ def norm_and_direction(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return norm, x / norm.clamp_min(torch.finfo(torch.float32).tiny)
 
 
-class TurboQuantCodec(Codec):
+def turning_means(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys' centers for `rope_center`: `(mean, rope_mean)`, each `(kv_heads, d)`, from RoPE'd keys `x (b, kv, t, d)` at
+    cos/sin `(b, t, d)`. The center of key t is `mean + RoPE_t(rope_mean)`.
+
+    RoPE turns a component that is constant before it (a QKV bias, a massive channel) at each pair's own frequency,
+    so a post-RoPE mean removes it only from pairs that barely turn over the context. Per head and RoPE pair
+    (i, i + d/2), the un-RoPEd mean is used where it lowers the pair's mean squared residual by more than the average
+    pair's residual under it (a pair whose gain is below that moves the error by less than one pair's share), and
+    the post-RoPE mean elsewhere; `rope_mean` is zero outside those turning pairs, `mean` zero inside them. Each
+    turning pair costs decode two products per token (`rope_mean_scores`), so pairs that gain little stay constant.
+    """
+    half = x.shape[-1] // 2
+    constant = x.mean(dim=(0, 2))  # (kv, d)
+    unroped = undo_rope(x, cos, sin).mean(dim=(0, 2))
+    turned = apply_rope(unroped[None, :, None, :].expand_as(x), cos, sin)
+
+    def pair_energy(r: torch.Tensor) -> torch.Tensor:  # (b, kv, t, d) -> (kv, d/2) mean squared residual per pair
+        e = r.pow(2).mean(dim=(0, 2))
+        return e[:, :half] + e[:, half:]
+
+    residual = pair_energy(x - turned)
+    gain = pair_energy(x - constant[None, :, None, :]) - residual
+    gain = torch.where(gain > residual.sum(-1, keepdim=True) / half, gain, float("-inf"))
+    # At most MAX_TURNING_PAIRS per head (the CPU kernel's bound), those that gain most.
+    top = gain.topk(min(MAX_TURNING_PAIRS, half), dim=-1)
+    turning = torch.zeros_like(gain, dtype=torch.bool).scatter(-1, top.indices, top.values > float("-inf"))
+    turning = turning.repeat(1, 2)  # (kv, d): both coordinates of a pair
+    return torch.where(turning, 0.0, constant), torch.where(turning, unroped, 0.0)
+
+
+class TurboQuantCodec(UnRopedKeys, Codec):
     name = "turboquant"
 
     def __init__(self, config: TurboQuantConfig, head_dim: int, kv_heads: int, layer_idx: int = 0):
         super().__init__(config, head_dim, kv_heads, layer_idx)
+        self.uses_positions = bool(config.rope_center)  # per instance: only the rope-centered variant needs positions
+        self._init_rope()
         self.mse_bits = config.mse_bits
         self.codebook: Codebook | None = lloyd_max_codebook(head_dim, self.mse_bits, config.codebook) if self.mse_bits else None
         self._rotation: torch.Tensor | None = None  # (kv_heads, d, d), built on first use (QR only)
         self._signs_vec: torch.Tensor | None = None  # (kv_heads, 1, d) Hadamard signs
         self.mean: torch.Tensor | None = None  # (kv_heads, d) float32 when `center`
+        self.rope_mean: torch.Tensor | None = None  # (kv_heads, d) float32 un-RoPEd, zero outside turning pairs, when `rope_center`
         self.scale: torch.Tensor | None = None  # (kv_heads, d) float32 when `channel_scale`
         self._sketch: torch.Tensor | None = None  # (kv_heads, d, d) S' acting on rotated residuals
 
@@ -207,9 +249,13 @@ class TurboQuantCodec(Codec):
             # Statistics of a handful of tokens are noise, and of one token degenerate (its centered
             # residual is zero, so its RMS scale would blow later tokens up to Inf): normalize by identity.
             self.mean = torch.zeros(self.kv_heads, self.head_dim, device=x.device) if self.config.center else None
+            self.rope_mean = torch.zeros(self.kv_heads, self.head_dim, device=x.device) if self.config.rope_center else None
             self.scale = torch.ones(self.kv_heads, self.head_dim, device=x.device) if self.config.channel_scale else None
             return
-        if self.config.center:
+        if self.config.rope_center:
+            self.mean, self.rope_mean = turning_means(x, *self._cos_sin(positions, x.shape[0], x.shape[2], x.device))
+            x = x - self._center(positions, x.shape[0], x.shape[2], x.device)
+        elif self.config.center:
             self.mean = x.mean(dim=(0, 2))
             x = x - self.mean[None, :, None, :]
         if self.config.channel_scale:
@@ -223,19 +269,28 @@ class TurboQuantCodec(Codec):
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The fitted `mean` / `scale` (`(kv_heads, d)` float32, each when configured); rotations, sketches and
         the Lloyd-Max codebook are rebuilt from the config and seed."""
-        return {k: v for k, v in (("mean", self.mean), ("scale", self.scale)) if v is not None}
+        return {k: v for k, v in (("mean", self.mean), ("scale", self.scale), ("rope_mean", self.rope_mean)) if v is not None}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         shape = ((self.kv_heads, self.head_dim), torch.float32)
-        expected = {k: shape for k, on in (("mean", self.config.center), ("scale", self.config.channel_scale)) if on}
-        check_state(self.name, state, expected)
-        self.mean, self.scale = state.get("mean"), state.get("scale")
+        on = (("mean", self.config.center), ("scale", self.config.channel_scale), ("rope_mean", self.config.rope_center))
+        check_state(self.name, state, {k: shape for k, flag in on if flag})
+        self.mean, self.scale, self.rope_mean = state.get("mean"), state.get("scale"), state.get("rope_mean")
 
     def _scale(self, device: torch.device) -> torch.Tensor | None:
         """`(1, kv_heads, 1, d)` fitted channel scale, or None."""
         if self.scale is None:
             return None
         return self._on("scale", self.scale, device)[None, :, None, :]
+
+    def _center(self, positions: torch.Tensor | None, batch: int, tokens: int, device) -> torch.Tensor | None:
+        """What `encode` subtracts: `(batch, kv_heads, tokens, d)` when rope-centered (the constant mean plus the turning
+        pairs' un-RoPEd mean rotated to each token's position), else `(1, kv_heads, 1, d)` (the fitted mean), or None."""
+        if self.rope_mean is None:
+            return self._mean(device)
+        cos, sin = self._cos_sin(positions, batch, tokens, device)
+        turning = self._on("rope_mean", self.rope_mean, device)[None, :, None, :].expand(batch, -1, tokens, -1)
+        return self._mean(device) + apply_rope(turning, cos, sin)
 
     def _mean(self, device: torch.device) -> torch.Tensor | None:
         """`(1, kv_heads, 1, d)` fitted mean, or None when not centering."""
@@ -246,12 +301,17 @@ class TurboQuantCodec(Codec):
     def encode(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> TurboQuantPacked:
         self._check(x)
         if (self.config.center and self.mean is None) or (self.config.channel_scale and self.scale is None):
-            self.fit(x)
-        fused = self._op_encode(x)
-        if fused is not None:
-            return fused
-        x = x.float()
-        mean, scale = self._mean(x.device), self._scale(x.device)
+            self.fit(x, positions)
+        if self.rope_mean is not None:
+            x = x.float() - self._center(positions, x.shape[0], x.shape[2], x.device)
+            mean = None
+        else:
+            fused = self._op_encode(x)
+            if fused is not None:
+                return fused
+            x = x.float()
+            mean = self._mean(x.device)
+        scale = self._scale(x.device)
         if mean is not None:
             x = x - mean
         if scale is not None:
@@ -303,7 +363,7 @@ class TurboQuantCodec(Codec):
 
     def decode(self, packed: TurboQuantPacked, positions: torch.Tensor | None = None) -> torch.Tensor:
         y = self._unrotate(self._decode_rotated(packed))
-        mean, scale = self._mean(y.device), self._scale(y.device)
+        mean, scale = self._center(positions, y.shape[0], y.shape[2], y.device), self._scale(y.device)
         if scale is not None:
             y = y * scale
         return y if mean is None else y + mean
@@ -326,6 +386,8 @@ class TurboQuantCodec(Codec):
         if not kernel or qs is not None:
             part = chunked_scores(lambda block, s, e: self._rotated_scores(q_rot, qs, block, not kernel), packed, q, self._width(q.shape[2]))
             out = part if out is None else out + part
+        if self.rope_mean is not None:  # <q, RoPE_t(μ)> of the turning pairs: two products with the keys' cos/sin
+            out = out + self._turning_scores(q, key_positions)
         if self.mean is not None:  # <q, μ>: one product per query row, Πq·Πμ = q·μ
             out = out + q @ self._mean(q.device).transpose(-1, -2)
         return ungroup(out, query.shape[1])
@@ -366,6 +428,49 @@ class TurboQuantCodec(Codec):
         offset = None if self.mean is None else cpu_lut.head_matmul(q, self._mean(q.device)[0].mT)
         return q_rot, offset
 
+    def _turning_scores(self, q: torch.Tensor, key_positions: torch.Tensor | None) -> torch.Tensor:
+        """`<q, RoPE(rope_mean, p_t)>` `(b, kv, rows, tokens)` for grouped queries `(b, kv, rows, d)` and key positions."""
+        tokens = key_positions.shape[-1] if key_positions is not None else 0
+        cos, sin = self._cos_sin(key_positions, q.shape[0], tokens, q.device)
+        return rope_mean_scores(q, self._on("rope_mean", self.rope_mean, q.device), cos, sin)
+
+    def turning_scores(self, q: torch.Tensor, first_position: torch.Tensor, tokens: int) -> torch.Tensor:
+        """The turning pairs' raw-score term `(b, kv, rows, tokens)` of a segment whose token 0 sits at RoPE position
+        `first_position (b,)`, for grouped queries `(b, kv, rows, d)`: the custom-op route's additive bias."""
+        positions = first_position[:, None] + torch.arange(tokens, device=q.device)
+        return self._turning_scores(q.float(), positions)
+
+    def kernel_turning(self, q: torch.Tensor, first_position) -> tuple | None:
+        """What the CPU kernel needs for `rope_center` keys (`cpu_lut.tq_attention`'s `turning`): the grouped query
+        `(b, kv, rows, d)` as the model formed it, each head's turning pairs and their un-RoPEd means, and the RoPE
+        position `(b,)` of the segment's first token (`first_position()`); None when no pair turns."""
+        state = self._turning_state()
+        if state is None:
+            return None
+        return (q.float().contiguous(), *state, first_position().to(torch.int64).contiguous())
+
+    def _turning_state(self) -> tuple[torch.Tensor, ...] | None:
+        """`(pair (kv, M) i64, mu (kv, M, 2) f32 times RoPE's scaling, freq (d/2,) f64, w (d/2, 2, 64) f32)` of the turning
+        pairs, M the most any head has (a head with fewer repeats pairs whose mean is zero). `pair` and `mu` are derived
+        from `rope_mean` once and held (counted in `state_nbytes`); `freq` and the phasor table `w` follow the model's
+        `inv_freq`, shared by its layers (`cpu_lut.phasor_table`). None when no pair turns."""
+        if self.rope_mean is None:
+            return None
+        cached = getattr(self, "_kernel_cache", None)
+        if cached is None or cached[0] is not self.rope_mean:
+            half = self.head_dim // 2
+            turning = self.rope_mean[:, :half].ne(0) | self.rope_mean[:, half:].ne(0)  # (kv, d/2)
+            count = int(turning.sum(-1).max())
+            held = None
+            if count:
+                pair = torch.sort(turning.to(torch.uint8).cpu(), dim=-1, descending=True, stable=True).indices[:, :count].contiguous()
+                mean = self.rope_mean.float().cpu() * self.rope.scaling
+                held = (pair, torch.stack((mean[:, :half].gather(1, pair), mean[:, half:].gather(1, pair)), dim=-1).contiguous())
+            self._kernel_cache = cached = (self.rope_mean, held)
+        if cached[1] is None:
+            return None
+        return (*cached[1], *cpu_lut.phasor_table(self.rope.inv_freq))
+
     def kernel_output(self, o: torch.Tensor, denom: torch.Tensor) -> torch.Tensor:
         """Rotated-space Σp·v̂ `(b, kv, rows, d)` and Σp `(b, kv, rows, 1)` -> Σp·v = (Πᵀo)⊙σ + Σp·μ in the value space."""
         mean = None if self.mean is None else self._mean(o.device)[0, :, 0]
@@ -389,6 +494,8 @@ class TurboQuantCodec(Codec):
     def weighted_sum(self, probs: torch.Tensor, packed: TurboQuantPacked) -> torch.Tensor:
         """Σ p·||v||·c[idx] accumulated in the rotated space (the CPU kernel decodes codes only in
         registers and L1), then one inverse rotation per head."""
+        if self.config.rope_center:
+            raise ValueError("rope_center is a key option (values carry no RoPE): build the value codec without it")
         p = group_query(probs.float(), self.kv_heads)  # (b, kv, rows, t)
         kernel = self._use_kernels(packed, p.shape[2])
         acc = kernels.lut_weighted_sum(p, packed.codes, packed.norm, self.codebook.centroids, self.mse_bits, self.head_dim) if kernel else None

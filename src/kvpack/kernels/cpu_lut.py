@@ -21,6 +21,7 @@ import os
 import sys
 import time
 import warnings
+import weakref
 from functools import cache
 from pathlib import Path
 from types import ModuleType
@@ -34,6 +35,7 @@ from ..primitives.packing import pack_bits, packed_length, unpack_bits
 SOURCE = Path(__file__).with_name("lut_kernels.cpp")
 LUT_BITS = (1, 2, 3, 4)
 BACKENDS = ("auto", "torch")  # values of $KVPACK_KERNELS
+TURN_TILE = 64  # tokens per tile of the turning-mean scores (lut_kernels.cpp kTurnTile): the width of their phasor table
 
 
 def _cpu_tag() -> str:
@@ -197,7 +199,7 @@ def _check_rows(name: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple) ->
 
 
 def tq_attention(q_rot, row_offset, k_codes, k_norm, k_cent, k_bits: int, v_codes, v_norm, v_cent, v_bits: int, scale: float,
-                 validate: bool = True, skip: torch.Tensor | None = None):
+                 validate: bool = True, skip: torch.Tensor | None = None, turning: tuple | None = None):
     """Online-softmax partial over a TurboQuant K/V segment, V accumulated in its rotated space.
 
     q_rot (B, H, R <= 16, d) f32 (query rotated and scaled for the key codec); row_offset (B, H, R, 1)
@@ -207,10 +209,15 @@ def tq_attention(q_rot, row_offset, k_codes, k_norm, k_cent, k_bits: int, v_code
     `validate=False` (the cache's own decode calls, whose codecs built these tensors) skips the Python
     checks, ~10 us per call; the C++ side still checks layouts. `skip` (S,) i64: ascending token offsets
     left out of the partial for every row and head (a segment's anchors, kept exact elsewhere), or None.
+    `turning`: keys centered on a turning mean (`TurboQuantCodec.kernel_turning`), `(q (B, H, R, d) f32, pair (H, M)
+    i64, mu (H, M, 2) f32, freq (d/2,) f64, w (d/2, 2, 64) f32 (`phasor_table`), pos0 (B,) i64)`: each raw score
+    also gains `Σ_m A_m cos(θ_m p_t) + B_m sin(θ_m p_t)` (`turning_scores_reference`), or None.
     """
+    extra = [] if turning is None else list(turning)
     if not validate:
         off = torch.empty(0) if row_offset is None else row_offset
-        return tuple(_ext().tq_attention(q_rot, off, k_codes, k_norm, k_cent, k_bits, v_codes, v_norm, v_cent, v_bits, float(scale), _skip(skip)))
+        return tuple(_ext().tq_attention(q_rot, off, k_codes, k_norm, k_cent, k_bits, v_codes, v_norm, v_cent, v_bits, float(scale), _skip(skip),
+                                         extra))
     q_rot = _check("q_rot", q_rot, torch.float32, (None, None, None, None))
     b, h, r, d = q_rot.shape
     if r > MAX_FUSED_ROWS:
@@ -226,8 +233,27 @@ def tq_attention(q_rot, row_offset, k_codes, k_norm, k_cent, k_bits: int, v_code
     v_norm = _check_rows("v_norm", v_norm, torch.float16, (b, h, t, 1))
     k_cent = _check("k_cent", k_cent, torch.float32, (2**k_bits,))
     v_cent = _check("v_cent", v_cent, torch.float32, (2**v_bits,))
+    if turning is not None:
+        _check_turning(turning, (b, h, r, d))
     return tuple(_ext().tq_attention(q_rot, off, k_codes, k_norm, k_cent, k_bits, v_codes, v_norm, v_cent, v_bits, float(scale),
-                                     _checked_skip(skip, t)))
+                                     _checked_skip(skip, t), extra))
+
+
+def _check_turning(turning: tuple, q_shape: tuple[int, int, int, int]) -> None:
+    """The `turning` tensors' dtypes and shapes against the query's `(B, H, R, d)`."""
+    if len(turning) != 6:
+        raise ValueError(f"turning takes 6 tensors (q, pair, mu, freq, w, pos0), got {len(turning)}")
+    b, h, _, d = q_shape
+    q, pair = turning[0], turning[1]
+    m = pair.shape[-1] if pair.dim() == 2 else -1
+    if not 0 < m <= min(64, d // 2):
+        raise ValueError(f"turning pair must be (H, M) with 0 < M <= {min(64, d // 2)}, got {tuple(pair.shape)}")
+    for name, t, dtype, shape in (("q", q, torch.float32, q_shape), ("pair", pair, torch.int64, (h, m)),
+                                  ("mu", turning[2], torch.float32, (h, m, 2)), ("freq", turning[3], torch.float64, (d // 2,)),
+                                  ("w", turning[4], torch.float32, (d // 2, 2, TURN_TILE)), ("pos0", turning[5], torch.int64, (b,))):
+        _check(f"turning {name}", t, dtype, shape)
+    if bool(((pair < 0) | (pair >= d // 2)).any()):
+        raise ValueError(f"turning pair indices must lie in [0, {d // 2})")
 
 
 def _skip(skip: torch.Tensor | None) -> torch.Tensor:
@@ -476,10 +502,44 @@ def partial_reference(s: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tens
     return m, p.sum(-1, keepdim=True), p @ values
 
 
-def tq_attention_reference(q_rot, row_offset, k_codes, k_norm, k_cent, k_bits, v_codes, v_norm, v_cent, v_bits, scale):
+_PHASORS: dict[int, tuple] = {}  # id(inv_freq) -> (weak reference to it, freq, table)
+
+
+def phasor_table(inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(freq (d/2,) float64, table (d/2, 2, TURN_TILE) float32)` for a layer's rotary `inv_freq (d/2,)`: the table holds
+    `cos(jθ), sin(jθ)` for j < TURN_TILE, what the turning-mean kernel multiplies each tile's phasors by. Kept per
+    `inv_freq` tensor while it lives (the model's own, shared by its layers: 4 KB at d = 64), like a codebook, and
+    found by identity, so a decode step pays no hashing of values."""
+    hit = _PHASORS.get(id(inv_freq))
+    if hit is None or hit[0]() is not inv_freq:
+        freq = inv_freq.detach().double().cpu().contiguous()
+        phase = freq[:, None] * torch.arange(TURN_TILE, dtype=torch.float64)
+        key = id(inv_freq)
+        hit = _PHASORS[key] = (weakref.ref(inv_freq, lambda _, key=key: _PHASORS.pop(key, None)), freq,
+                               torch.stack((phase.cos(), phase.sin()), dim=1).float().contiguous())
+    return hit[1], hit[2]
+
+
+def turning_scores_reference(turning: tuple, tokens: int) -> torch.Tensor:
+    """`(B, H, R, tokens)` raw-score terms of keys centered on a turning mean (see `tq_attention`), in float64 with a
+    cos/sin per token and pair (the kernel's phasors come from tables and recurrences instead)."""
+    q, pair, mu, freq, _, pos0 = turning
+    half = q.shape[-1] // 2
+    idx = pair[None, :, None, :].expand(q.shape[0], -1, q.shape[2], -1)
+    qa, qb = q.double().gather(-1, idx), q.double().gather(-1, idx + half)  # (B, H, R, M)
+    ma, mb = mu[None, :, None, :, 0].double(), mu[None, :, None, :, 1].double()
+    a, b = qa * ma + qb * mb, qb * ma - qa * mb
+    positions = pos0.double()[:, None] + torch.arange(tokens, dtype=torch.float64)  # (B, T)
+    phase = positions[:, None, :, None] * freq.double()[pair][None, :, None, :]  # (B, H, T, M)
+    return (a @ phase.cos().mT + b @ phase.sin().mT).float()
+
+
+def tq_attention_reference(q_rot, row_offset, k_codes, k_norm, k_cent, k_bits, v_codes, v_norm, v_cent, v_bits, scale, turning=None):
     s = lut_scores_reference(q_rot, k_codes, k_norm, k_cent, k_bits)
     if row_offset is not None:
         s = s + row_offset
+    if turning is not None:
+        s = s + turning_scores_reference(turning, k_codes.shape[2])
     v = lut_centroids_reference(v_codes, v_cent, v_bits, q_rot.shape[-1]) * v_norm.float()
     return partial_reference(s * scale, v)
 

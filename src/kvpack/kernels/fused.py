@@ -37,10 +37,15 @@ def segment_partial(q: torch.Tensor, seg, scale: float, first_position=None, ski
     kind = (kc.kernel_kind, vc.kernel_kind)
     if kind == ("tq", "tq"):
         keys, values = seg.keys, seg.values
+        turning = None
+        if getattr(kc, "rope_mean", None) is not None:  # keys centered on a turning mean: the kernel adds its per-token term
+            if first_position is None:
+                return None
+            turning = kc.kernel_turning(q, first_position)
         q_rot, offset = kc.kernel_query(q)
         m, denom, o = cpu_lut.tq_attention(
             q_rot, offset, keys.codes, keys.norm, kc.codebook.centroids, kc.mse_bits,
-            values.codes, values.norm, vc.codebook.centroids, vc.mse_bits, scale, validate=VALIDATE, skip=skip,
+            values.codes, values.norm, vc.codebook.centroids, vc.mse_bits, scale, validate=VALIDATE, skip=skip, turning=turning,
         )
         return m, denom, vc.kernel_output(o, denom)
     if kind == ("pca", "vq") and first_position is not None:
@@ -77,11 +82,16 @@ def ops_segment_partial(q: torch.Tensor, seg, scale: float, first_position=None)
     kind = (kc.kernel_kind, vc.kernel_kind)
     keys, values = seg.keys, seg.values
     if kind == ("tq", "tq"):
+        bias = None
+        if getattr(kc, "rope_mean", None) is not None:  # keys centered on a turning mean: their term rides in as a bias
+            if first_position is None:
+                return None
+            bias = kc.turning_scores(q, first_position().to(q.device), keys.codes.shape[2]) * scale
         q_rot, offset = kc.kernel_query(q)
         cent_k = kc._on("centroids", kc.codebook.centroids, q.device)
         cent_v = vc._on("centroids", vc.codebook.centroids, q.device)
         m, denom, o = ops.tq_attention(q_rot, keys.codes, keys.norm, cent_k, kc.mse_bits, values.codes, values.norm, cent_v,
-                                       vc.mse_bits, q.shape[-1], scale, offset)
+                                       vc.mse_bits, q.shape[-1], scale, offset, bias)
         return m, denom, vc.kernel_output(o, denom)
     if kind == ("pca", "vq") and first_position is not None:
         ks, vs = kc.kernel_state(), vc.kernel_state()

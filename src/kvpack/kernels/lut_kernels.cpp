@@ -456,10 +456,88 @@ std::vector<torch::Tensor> partial_outputs(const torch::Tensor& q, int64_t d) {
   return {torch::empty({B, H, R, 1}, opt), torch::empty({B, H, R, 1}, opt), torch::empty({B, H, R, d}, opt)};
 }
 
+// Keys centered on a turning mean (TurboQuant's `rope_center`): key t's center holds, besides the constant mean folded
+// into row_offset, `RoPE(μ, p_t)` on M RoPE pairs per head, so its raw score gains
+//   Σ_m A_m cos(θ_m p_t) + B_m sin(θ_m p_t),   A_m = s(q_a μ_a + q_b μ_b),  B_m = s(q_b μ_a - q_a μ_b)
+// from the RoPE'd query q's pair (a, b) = (i_m, i_m + d/2), the pair's un-RoPEd mean (μ_a, μ_b), RoPE's attention
+// scaling s (folded into μ by the caller) and frequency θ_m. Tokens go 64 at a time: each pair's phase at a tile's first
+// token (from the split's start in double, advanced by e^{64iθ} per tile) turns A, B into the tile's coefficients of
+// cos(jθ), sin(jθ) for j < 64 (a per-pair table), so the inner loop runs over 64 tokens and vectorizes; no
+// transcendental per token.
+struct Turning {
+  const float* q = nullptr;       // (BH, R, d) the query as the model formed it (not rotated or scaled)
+  const int64_t* pair = nullptr;  // (H, M) RoPE pair index i_m (< d/2); padding repeats a pair whose μ is 0
+  const float* mu = nullptr;      // (H, M, 2) s·(μ_a, μ_b)
+  const double* freq = nullptr;   // (d/2,) θ of every pair (the layer's inv_freq)
+  const float* w = nullptr;       // (d/2, 2, 64) cos(jθ), sin(jθ) of every pair: one table per model, shared
+  const int64_t* pos0 = nullptr;  // (B,) RoPE position of the segment's token 0
+  int64_t H = 1;
+  int M = 0;
+  int d = 0;
+};
+constexpr int kTurnTile = 64;
+
+void add_turning_scores(const Turning& tn, int64_t bh, int R, int64_t t0, int64_t n, float* s) {
+  const int M = tn.M, half = tn.d / 2;
+  const int64_t h = bh % tn.H, b = bh / tn.H;
+  const int64_t* pair = tn.pair + h * M;
+  const float* mu = tn.mu + h * M * 2;
+
+  float coef[16][2][64];  // A, B per row and pair: R <= 16, M <= 64 (checked by the caller)
+  for (int r = 0; r < R; ++r) {
+    const float* q = tn.q + (bh * R + r) * tn.d;
+    for (int m = 0; m < M; ++m) {
+      const float qa = q[pair[m]], qb = q[pair[m] + half], ma = mu[2 * m], mb = mu[2 * m + 1];
+      coef[r][0][m] = qa * ma + qb * mb;
+      coef[r][1][m] = qb * ma - qa * mb;
+    }
+  }
+  double c0[64], s0[64], cs[64], sn[64];
+  const float* wp[64];
+  for (int m = 0; m < M; ++m) {
+    const float* w = wp[m] = tn.w + pair[m] * 2 * kTurnTile;
+    const double ph = std::fmod(static_cast<double>(tn.pos0[b] + t0) * tn.freq[pair[m]], 2 * M_PI);
+    c0[m] = std::cos(ph);
+    s0[m] = std::sin(ph);
+    const double c1 = w[1], s1 = w[kTurnTile + 1];  // e^{iθ}
+    const double cl = w[kTurnTile - 1], sl = w[2 * kTurnTile - 1];  // e^{(tile - 1)iθ}
+    cs[m] = cl * c1 - sl * s1;  // e^{tile·iθ} = e^{(tile - 1)iθ} e^{iθ}
+    sn[m] = sl * c1 + cl * s1;
+  }
+  // Per tile, with φ0 the tile's first phase: A cos(φ0 + jθ) + B sin(φ0 + jθ) = E cos(jθ) + F sin(jθ), E = A c0 + B s0,
+  // F = B c0 - A s0: two products per pair and row over the tile's tokens, then the phasor (c0, s0) moves a tile on.
+  float acc[16 * kTurnTile], e[16][64], f[16][64];
+  for (int64_t t = 0; t < n; t += kTurnTile) {
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < M; ++m) {
+        const float c = static_cast<float>(c0[m]), sm = static_cast<float>(s0[m]);
+        e[r][m] = coef[r][0][m] * c + coef[r][1][m] * sm;
+        f[r][m] = coef[r][1][m] * c - coef[r][0][m] * sm;
+      }
+    std::fill(acc, acc + R * kTurnTile, 0.f);
+    for (int m = 0; m < M; ++m) {
+      const float* wc = wp[m];
+      const float* ws = wc + kTurnTile;
+      for (int r = 0; r < R; ++r) {
+        const float E = e[r][m], F = f[r][m];
+        float* __restrict out = acc + r * kTurnTile;
+        for (int j = 0; j < kTurnTile; ++j) out[j] += E * wc[j] + F * ws[j];
+      }
+      const double c = c0[m] * cs[m] - s0[m] * sn[m];
+      s0[m] = s0[m] * cs[m] + c0[m] * sn[m];
+      c0[m] = c;
+    }
+    const int64_t c = std::min<int64_t>(kTurnTile, n - t);
+    for (int r = 0; r < R; ++r)
+      for (int64_t j = 0; j < c; ++j) s[r * n + t + j] += acc[r * kTurnTile + j];
+  }
+}
+
 template <bool PAIR3, int W, int VBITS>
 void tq_attention_impl(const float* q, const float* row_off, const uint8_t* kc, int64_t k_bh, const at::Half* kn, int64_t kn_bh,
                        const float* kcent, const Layout& KL, const uint8_t* vc, int64_t v_bh, const at::Half* vn, int64_t vn_bh,
-                       const float* vcent, const Layout& VL, int64_t BH, int R, int64_t T, float scale, const Skip& skip, Partials& P) {
+                       const float* vcent, const Layout& VL, int64_t BH, int R, int64_t T, float scale, const Skip& skip, const Turning& tn,
+                       Partials& P) {
   const int64_t splits = P.splits;
   const int64_t unit_stride = static_cast<int64_t>(KL.entries) * W;
   std::vector<float> dec(static_cast<int64_t>(VL.entries) * VL.cpu);
@@ -481,6 +559,7 @@ void tq_attention_impl(const float* q, const float* row_off, const uint8_t* kc, 
       for (int64_t b0 = 0; b0 < n; b0 += kBlock)
         score_tokens<PAIR3, W>(table.data(), kc + bh * k_bh + t0 * KL.nbytes, kn + bh * kn_bh + t0, b0, std::min(n, b0 + kBlock), KL,
                                s.data(), n, R);
+      if (tn.M) add_turning_scores(tn, bh, R, t0, n, s.data());
       for (int r = 0; r < R; ++r) {
         const float off = row_off ? row_off[bh * R + r] : 0.f;
         for (int64_t t = 0; t < n; ++t) s[r * n + t] = (s[r * n + t] + off) * scale;
@@ -498,10 +577,11 @@ void tq_attention_impl(const float* q, const float* row_off, const uint8_t* kc, 
 template <bool PAIR3, int W>
 void tq_attention_vbits(int vbits, const float* q, const float* row_off, const uint8_t* kc, int64_t k_bh, const at::Half* kn, int64_t kn_bh,
                         const float* kcent, const Layout& KL, const uint8_t* vc, int64_t v_bh, const at::Half* vn, int64_t vn_bh,
-                        const float* vcent, const Layout& VL, int64_t BH, int R, int64_t T, float scale, const Skip& skip, Partials& P) {
+                        const float* vcent, const Layout& VL, int64_t BH, int R, int64_t T, float scale, const Skip& skip, const Turning& tn,
+                        Partials& P) {
   auto run = vbits == 1 ? tq_attention_impl<PAIR3, W, 1> : vbits == 2 ? tq_attention_impl<PAIR3, W, 2>
            : vbits == 3 ? tq_attention_impl<PAIR3, W, 3> : tq_attention_impl<PAIR3, W, 4>;
-  run(q, row_off, kc, k_bh, kn, kn_bh, kcent, KL, vc, v_bh, vn, vn_bh, vcent, VL, BH, R, T, scale, skip, P);
+  run(q, row_off, kc, k_bh, kn, kn_bh, kcent, KL, vc, v_bh, vn, vn_bh, vcent, VL, BH, R, T, scale, skip, tn, P);
 }
 
 // Dense rows (int8 with a per-token scale, fp16 or fp32 without) widened to float in L1, 4 tokens at a time.
@@ -1025,9 +1105,23 @@ int64_t head_stride(const torch::Tensor& t, const char* name) {
 
 std::vector<torch::Tensor> tq_attention(torch::Tensor q, torch::Tensor row_offset, torch::Tensor k_codes, torch::Tensor k_norm,
                                         torch::Tensor k_cent, int64_t k_bits, torch::Tensor v_codes, torch::Tensor v_norm,
-                                        torch::Tensor v_cent, int64_t v_bits, double scale, torch::Tensor skip) {
+                                        torch::Tensor v_cent, int64_t v_bits, double scale, torch::Tensor skip,
+                                        std::vector<torch::Tensor> turning) {
   q = q.contiguous();
   if (row_offset.numel()) row_offset = row_offset.contiguous();
+  // turning: empty, or {q (B, H, R, d) f32, pair (H, M) i64, mu (H, M, 2) f32, freq (d/2,) f64, w (d/2, 2, 64) f32, pos0 (B,) i64}
+  Turning tn;
+  if (!turning.empty()) {
+    TORCH_CHECK(turning.size() == 6, "turning takes 6 tensors: q, pair, mu, freq, w, pos0");
+    for (auto& t : turning) t = t.contiguous();
+    const int64_t M = turning[1].size(1);
+    TORCH_CHECK(M <= 64 && turning[0].sizes() == q.sizes() && turning[1].size(0) == q.size(1) && turning[3].scalar_type() == at::kDouble &&
+                    turning[3].numel() == q.size(3) / 2 && turning[4].size(0) == q.size(3) / 2 && turning[4].size(2) == kTurnTile &&
+                    turning[5].numel() == q.size(0),
+                "turning tensors do not match the query: q (B, H, R, d), pair (H, M <= 64), mu (H, M, 2), freq (d/2,) f64, w (d/2, 2, 64), pos0 (B,)");
+    tn = {turning[0].data_ptr<float>(), turning[1].data_ptr<int64_t>(), turning[2].data_ptr<float>(), turning[3].data_ptr<double>(),
+          turning[4].data_ptr<float>(), turning[5].data_ptr<int64_t>(), q.size(1), static_cast<int>(M), static_cast<int>(q.size(3))};
+  }
   const int64_t B = q.size(0), H = q.size(1), R = q.size(2), d = q.size(3), T = k_codes.size(2);
   TORCH_CHECK(R <= 16, "tq_attention serves up to 16 query rows per kv head, got ", R);
   const Layout KL = make_layout(static_cast<int>(k_bits), static_cast<int>(d));
@@ -1041,7 +1135,7 @@ std::vector<torch::Tensor> tq_attention(torch::Tensor q, torch::Tensor row_offse
 #define KVP_TQ(PAIR3, W) tq_attention_vbits<PAIR3, W>(vb, q.data_ptr<float>(), off, k_codes.data_ptr<uint8_t>(), head_stride(k_codes, "k_codes"), \
       k_norm.data_ptr<at::Half>(), head_stride(k_norm, "k_norm"), k_cent.data_ptr<float>(), KL, v_codes.data_ptr<uint8_t>(), \
       head_stride(v_codes, "v_codes"), v_norm.data_ptr<at::Half>(), head_stride(v_norm, "v_norm"), v_cent.data_ptr<float>(), VL, B * H, \
-      static_cast<int>(R), T, static_cast<float>(scale), sk, P)
+      static_cast<int>(R), T, static_cast<float>(scale), sk, tn, P)
     if (kb == 3) {
       if (R == 1) KVP_TQ(true, 1); else if (R <= 4) KVP_TQ(true, 4); else if (R <= 8) KVP_TQ(true, 8); else KVP_TQ(true, 16);
     } else {

@@ -51,6 +51,17 @@ def undo_rope(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
     return (y * cos - rotate_half(y) * sin) / (cos * cos + sin * sin)
 
 
+def rope_mean_scores(q: torch.Tensor, mean: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`<q, RoPE(μ, p_t)>` for each key position `t`, never forming the rotated means.
+
+    q: `(batch, heads, rows, d)` RoPE'd queries; mean `(heads, d)` un-RoPEd; cos, sin `(batch, tokens, d)` of the
+    keys' positions (`rope_cos_sin`) -> `(batch, heads, rows, tokens)`. From `RoPE(μ) = μ⊙cos + rotate_half(μ)⊙sin`:
+    `q·RoPE(μ) = (q⊙μ)·cos + (q⊙rotate_half(μ))·sin`, two products over d per token.
+    """
+    mean = mean[None, :, None, :]
+    return torch.einsum("bhrd,btd->bhrt", q * mean, cos) + torch.einsum("bhrd,btd->bhrt", q * rotate_half(mean), sin)
+
+
 def relative_cos_sin(delta: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`cos(θ_i Δ), sin(θ_i Δ)` for `delta (...)` -> float32 `(..., d/2)`.
 
