@@ -436,6 +436,7 @@ def test_rope_center_config_and_method_name():
     method = get_method("turboquant:k3v2+ropemean")
     assert method.key.options["rope_center"] and "rope_center" not in method.value.options
     assert "rope_center" not in get_method("turboquant:k3v2").key.options
+    assert method.key.uses_positions and not method.value.uses_positions and not get_method("turboquant:k3v2").key.uses_positions
     with pytest.raises(ValueError, match=r"\+ropemean"):
         get_method("turboquant:k3v2+ropemean+qjl")
 

@@ -77,7 +77,7 @@ def test_turboquant_relative_mse_at_the_lloyd_max_distortion(bits, head_dim):
 
 def _needs_positions(method: MethodConfig) -> bool:
     specs = (method.key, method.value, method.prefill_key, method.prefill_value)
-    return any(s is not None and s.codec_class.uses_positions for s in specs)
+    return any(s is not None and s.uses_positions for s in specs)
 
 
 BLOCK_METHODS = [m for m in list_methods() if not _needs_positions(get_method(m))]

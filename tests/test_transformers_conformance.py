@@ -423,7 +423,7 @@ def test_cache_gptj_model(method):
     model = GPTJForCausalLM(config).eval().to(torch.float16)
     model.generation_config.pad_token_id = PAD
     specs = (get_method(method).key, get_method(method).value, get_method(method).prefill_key, get_method(method).prefill_value)
-    if any(spec is not None and spec.codec_class.uses_positions for spec in specs):
+    if any(spec is not None and spec.uses_positions for spec in specs):
         with pytest.raises(ValueError, match="rotary"):
             kvpack.KVCache(model, method, allow_untested=True)
         return

@@ -96,10 +96,11 @@ def test_options_that_need_the_head_size_fail_at_construction_not_mid_generate(l
         kvpack.KVCache(llama, method)
 
 
-def test_shard_from_a_config_says_to_pass_the_model(llama):
+@pytest.mark.parametrize("method", ["shard", "turboquant:k3v2+ropemean"])
+def test_positions_reading_methods_from_a_config_say_to_pass_the_model(llama, method):
     with pytest.raises(ValueError, match=r"pass the model, not its config, so kvpack can read the rotary embedding"):
-        kvpack.KVCache(llama.config, "shard")
-    kvpack.KVCache(llama, "shard")  # the model itself is fine
+        kvpack.KVCache(llama.config, method)
+    kvpack.KVCache(llama, method)  # the model itself is fine
     kvpack.KVCache(llama.config, "int8")  # and methods that keep RoPE'd keys accept a config
 
 
@@ -107,7 +108,7 @@ def test_shard_from_a_config_says_to_pass_the_model(llama):
 def test_list_methods_resolve_to_themselves():
     names = list_methods()
     assert names == ["fp16", "int8", "turboquant:k4v4", "turboquant:k3v3", "turboquant:k3v2", "turboquant:k3v3+qjl",
-                     "polarquant-int4", "qjl", "kivi:4", "kivi:2", "shard", "kvquant:4", "kvquant:3", "kvquant:2", "subspace:2",
+                     "turboquant:k3v2+ropemean", "polarquant-int4", "qjl", "kivi:4", "kivi:2", "shard", "kvquant:4", "kvquant:3", "kvquant:2", "subspace:2",
                      "tiered:512", "tiered:512:tq"]
     assert [get_method(n).name for n in names] == names
 

@@ -94,6 +94,11 @@ class CodecSpec:
     def codec_class(self) -> type[Codec]:
         return _load(CODECS[self.codec])
 
+    @property
+    def uses_positions(self) -> bool:
+        """Whether this codec reads token positions and the model's rotary embedding (`Codec.needs_positions`)."""
+        return self.codec_class.needs_positions(self.config)
+
     def build(self, head_dim: int, kv_heads: int, layer_idx: int = 0) -> Codec:
         return self.codec_class(self.config, head_dim, kv_heads, layer_idx)
 

@@ -92,7 +92,7 @@ def _resolve(method: str | MethodConfig, model_or_config) -> MethodConfig:
 
 
 def _uses_positions(method: MethodConfig) -> bool:
-    return any(spec.codec_class.uses_positions for spec in method.specs())
+    return any(spec.uses_positions for spec in method.specs())
 
 
 def _check_codecs(method: MethodConfig, text, model_type: str, has_model: bool) -> None:
@@ -101,9 +101,10 @@ def _check_codecs(method: MethodConfig, text, model_type: str, has_model: bool) 
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     for spec in method.specs():
-        if spec.codec_class.uses_positions and not has_model:
+        if spec.uses_positions and not has_model:
             raise ValueError(
-                f"method {method.name!r} stores keys without RoPE (codec {spec.codec!r}): pass the model, not its config, "
+                f"method {method.name!r} reads token positions (codec {spec.codec!r}: keys without RoPE or centered on a mean "
+                "RoPE turns): pass the model, not its config, "
                 "so kvpack can read the rotary embedding (KVCache(model, ...))"
             )
         try:

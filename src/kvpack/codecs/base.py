@@ -191,6 +191,12 @@ class Codec(ABC):
     # Shard's VQ choosing its codebook): the cache passes what a method's `prompt_ratio` leaves them.
     fits_to_budget: ClassVar[bool] = False
 
+    @classmethod
+    def needs_positions(cls, config: Any) -> bool:
+        """Whether a codec built from `config` reads token positions and the model's rotary embedding (`uses_positions`,
+        known before building: a cache refuses a model whose rotary table it cannot read up front)."""
+        return cls.uses_positions
+
     @property
     def token_multiple(self) -> int:
         """Token counts `encode` accepts must be multiples of this (1: any count, per-token codecs)."""

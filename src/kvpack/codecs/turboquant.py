@@ -154,6 +154,11 @@ def turning_means(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tupl
 
 class TurboQuantCodec(UnRopedKeys, Codec):
     name = "turboquant"
+    uses_positions = False  # the class default; an instance with `rope_center` reads positions (set in __init__)
+
+    @classmethod
+    def needs_positions(cls, config: TurboQuantConfig) -> bool:
+        return bool(config.rope_center)
 
     def __init__(self, config: TurboQuantConfig, head_dim: int, kv_heads: int, layer_idx: int = 0):
         super().__init__(config, head_dim, kv_heads, layer_idx)

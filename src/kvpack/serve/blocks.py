@@ -93,7 +93,8 @@ def _build(spec: CodecSpec, head_dim: int, kv_heads: int, layer: int) -> Codec:
     codec = spec.build(head_dim, kv_heads, layer)
     if codec.uses_positions:
         raise ValueError(
-            f"codec {spec.codec!r} stores keys without RoPE and needs the model's rotary embedding; "
+            f"codec {spec.codec!r} reads token positions and the model's rotary embedding (keys stored without RoPE, or "
+            "centered on a mean turned by it); "
             "block storage takes only codecs that need no token positions"
         )
     return codec
