@@ -181,8 +181,9 @@ class Codec(ABC):
     # The form a fused attention kernel can read ("tq", "int8", ...; see kvpack.kernels.fused), or None:
     # then attention goes through `scores` / `weighted_sum`.
     kernel_kind: ClassVar[str | None] = None
-    # Codecs that store keys without RoPE (Shard's PCA) need token positions and the model's
-    # rotary frequencies; the cache passes positions and calls `set_rope` when this is True.
+    # Codecs that store keys without RoPE (Shard's PCA) or center them on a mean RoPE turns (TurboQuant's
+    # `rope_center`) need token positions and the model's rotary frequencies; the cache passes positions and
+    # calls `set_rope` when this is True (per instance where a config decides: `needs_positions`).
     uses_positions: ClassVar[bool] = False
     # Codecs whose `fit` can use a sample of the prompt's queries (`fit(x, positions, queries=...)`):
     # the cache passes the last prompt queries it saw under kvpack attention, None otherwise.
