@@ -162,7 +162,7 @@ class TurboQuantCodec(UnRopedKeys, Codec):
 
     def __init__(self, config: TurboQuantConfig, head_dim: int, kv_heads: int, layer_idx: int = 0):
         super().__init__(config, head_dim, kv_heads, layer_idx)
-        self.uses_positions = bool(config.rope_center)  # per instance: only the rope-centered variant needs positions
+        self.uses_positions = self.needs_positions(config)  # per instance: only the rope-centered variant reads positions
         self._init_rope()
         self.mse_bits = config.mse_bits
         self.codebook: Codebook | None = lloyd_max_codebook(head_dim, self.mse_bits, config.codebook) if self.mse_bits else None
@@ -392,7 +392,7 @@ class TurboQuantCodec(UnRopedKeys, Codec):
             part = chunked_scores(lambda block, s, e: self._rotated_scores(q_rot, qs, block, not kernel), packed, q, self._width(q.shape[2]))
             out = part if out is None else out + part
         if self.rope_mean is not None:  # <q, RoPE_t(μ)> of the turning pairs: two products with the keys' cos/sin
-            out = out + self._turning_scores(q, key_positions)
+            out = out + self._turning_scores(q, key_positions, packed.codes.shape[2])
         if self.mean is not None:  # <q, μ>: one product per query row, Πq·Πμ = q·μ
             out = out + q @ self._mean(q.device).transpose(-1, -2)
         return ungroup(out, query.shape[1])
@@ -433,9 +433,9 @@ class TurboQuantCodec(UnRopedKeys, Codec):
         offset = None if self.mean is None else cpu_lut.head_matmul(q, self._mean(q.device)[0].mT)
         return q_rot, offset
 
-    def _turning_scores(self, q: torch.Tensor, key_positions: torch.Tensor | None) -> torch.Tensor:
-        """`<q, RoPE(rope_mean, p_t)>` `(b, kv, rows, tokens)` for grouped queries `(b, kv, rows, d)` and key positions."""
-        tokens = key_positions.shape[-1] if key_positions is not None else 0
+    def _turning_scores(self, q: torch.Tensor, key_positions: torch.Tensor | None, tokens: int) -> torch.Tensor:
+        """`<q, RoPE(rope_mean, p_t)>` `(b, kv, rows, tokens)` for grouped queries `(b, kv, rows, d)` and the keys'
+        positions `(b, tokens)` (as `encode` had them)."""
         cos, sin = self._cos_sin(key_positions, q.shape[0], tokens, q.device)
         return rope_mean_scores(q, self._on("rope_mean", self.rope_mean, q.device), cos, sin)
 
@@ -443,7 +443,7 @@ class TurboQuantCodec(UnRopedKeys, Codec):
         """The turning pairs' raw-score term `(b, kv, rows, tokens)` of a segment whose token 0 sits at RoPE position
         `first_position (b,)`, for grouped queries `(b, kv, rows, d)`: the custom-op route's additive bias."""
         positions = first_position[:, None] + torch.arange(tokens, device=q.device)
-        return self._turning_scores(q.float(), positions)
+        return self._turning_scores(q.float(), positions, tokens)
 
     def kernel_turning(self, q: torch.Tensor, first_position) -> tuple | None:
         """What the CPU kernel needs for `rope_center` keys (`cpu_lut.tq_attention`'s `turning`): the grouped query
