@@ -12,7 +12,8 @@ README.md is docs/readme/*.md (PARTS, in order); docs/NAME.md is docs/templates/
     {{profile_summary}}  bench/results/profiles/*.json: where each model loses (kvpack.bench.profile_plot)
     {{auto_table}}    bench/results/auto-*-2k.json: auto:<target> beside the default and turboquant:k4v4 on each model (auto_rows)
     {{auto_table:all}}  the same with every row of those runs (fixed widths and peers); {{auto_table:8k}} every row at 8K;
-    {{auto_table:2k-fisher}} the runs from the Fisher profiles; {{fisher_table}} scripts/fisher_sensitivity.py per model
+    {{auto_table:2k-fisher}} the runs from the Fisher profiles; {{auto_table:2k-heads}} widths per kv head beside per layer;
+    {{head_alloc_table}} scripts/head_sensitivity.py per model; {{fisher_table}} scripts/fisher_sensitivity.py per model
 Every other page under docs/ is static markdown.
 """
 
@@ -140,6 +141,22 @@ def fisher_rows(results: Path) -> str:
     return "\n".join(lines)
 
 
+def head_alloc_rows(results: Path) -> str:
+    """Per model, scripts/head_sensitivity.py: how the Fisher's per-head split ranks the measured per-head probes, how
+    unequal a layer's heads are, and the bytes per compressed token the knapsack needs per layer and per head."""
+    lines = ["| model | kv heads | rho within a layer, Fisher split vs measured (2-bit keys) | worst / best head of a layer (median) | "
+             "bytes per token per layer / per head: 0.5% | 1% | 2% | 4% |", "|---|---:|---:|---:|---|---|---|---|"]
+    for model in AUTO_MODELS:
+        path = results / f"head-sensitivity-{model}.json"
+        if not path.exists():
+            continue
+        d = json.loads(path.read_text())
+        cells = [f"{a['per_layer_bytes_per_token']:.0f} / {a['per_head_bytes_per_token']:.0f} (-{100 * a['bytes_saved']:.1f}%)" if a["reachable"] else "-"
+                 for a in d["allocation"]]
+        lines.append(f"| {model} | {d['kv_heads']} | {d['rho']['within_layer_share']:.2f} | {d['rho']['max_over_min_head_median']:.1f}x | {' | '.join(cells)} |")
+    return "\n".join(lines)
+
+
 def profile_summary(results: Path) -> str:
     """Per committed profile: the share of keys in the 2-bit loss and the layers that carry most of it."""
     from kvpack.bench.profile_plot import describe
@@ -190,6 +207,7 @@ def render(text: str, results: Path = RESULTS) -> str:
     text = text.replace("{{auto_table}}", auto_rows(results)).replace("{{auto_table:all}}", auto_rows(results, everything=True))
     text = text.replace("{{auto_table:8k}}", auto_rows(results, everything=True, context="8k")).replace("{{profile_summary}}", profile_summary(results))
     text = text.replace("{{auto_table:2k-fisher}}", auto_rows(results, everything=True, context="2k-fisher")).replace("{{fisher_table}}", fisher_rows(results))
+    text = text.replace("{{auto_table:2k-heads}}", auto_rows(results, everything=True, context="2k-heads")).replace("{{head_alloc_table}}", head_alloc_rows(results))
     if "{{" in text:
         raise ValueError(f"unknown placeholder: {re.search(r'{{[^}]*}}', text)[0]}")
     return text

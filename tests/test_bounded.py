@@ -35,6 +35,7 @@ CODECS = [
     ("kvquant-key", {}),
     ("kvquant-value", {}),
     ("subspace", {}),
+    ("heads", {"heads": [1, 0], "codecs": [{"codec": "turboquant", "options": {"bits": 3, "center": True}}, {"codec": "int8", "options": {}}]}),
 ]
 IDS = [f"{n}-{'-'.join(f'{k}={v}' for k, v in o.items())}" for n, o in CODECS]
 # Shard's codecs decode through the fused CPU kernel, but run this torch math on other devices. Their own tests

@@ -37,6 +37,7 @@ CODECS = [
     ("kivi", {"bits": 4, "axis": "channel", "group_size": 16}, 48),
     ("kivi", {"bits": 2, "axis": "token", "group_size": 16}, 37),
     ("kivi", {"bits": 4, "axis": "token"}, 37),
+    ("heads", {"heads": [1, 0], "codecs": [{"codec": "turboquant", "options": {"bits": 3, "center": True}}, {"codec": "int8", "options": {}}]}, 37),
 ]
 IDS = [f"{n}-{'-'.join(f'{k}={v}' for k, v in o.items())}" for n, o, _ in CODECS]
 
@@ -79,8 +80,8 @@ def test_blocks_concatenate_and_slice_along_tokens(name, options, tokens):
     codec = build(name, options)
     a, b = torch.randn(1, 2, tokens, 64), torch.randn(1, 2, tokens, 64)
     pa, pb = codec.encode(a), codec.encode(b)
-    for t in pa.tensors():
-        assert t.shape[:3] == (1, 2, tokens)
+    for t in pa.tensors():  # a heads codec's tensors hold its groups' heads (1 each here)
+        assert t.shape[:3] == (1, 1 if name == "heads" else 2, tokens)
     both = concat_packed([pa, pb])
     assert both.num_tokens == 2 * tokens
     torch.testing.assert_close(codec.decode(both), torch.cat([codec.decode(pa), codec.decode(pb)], 2))

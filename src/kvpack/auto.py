@@ -29,6 +29,11 @@ Each (layer, side) then takes the width minimizing the cache's real bytes per to
 multiple-choice knapsack, a dynamic program over integer block bytes (read from an encoded block, norms
 included). docs/auto.md measures how well the assumption holds on the evaluation text.
 
+Widths per kv head (`auto:<target>/head`). Every record also carries `head_shares`: each kv head's part of the Fisher's
+prediction for its (layer, side, width) (`_head_raw`, the same E[g^2] * delta^2 summed over one head's elements; the probe
+mode runs the `draws` backward passes for it too). The knapsack then takes one item per (layer, side, kv head), each head
+costing its part of the block, and a layer whose heads differ stores them with the `heads` codec (kvpack/codecs/heads.py).
+
 Profiles are JSON under `$KVPACK_PROFILE_DIR`, else `<kvpack cache>/profiles`, one per model, named after the model
 (`smollm2-135m.json`) and holding its fingerprint (architecture, rotary hashes, a weight sample): a profile for
 another model, or a damaged one, is refused with the file's name and the command that makes a new one.
@@ -80,8 +85,23 @@ def parse_target(arg: str) -> float:
     return value
 
 
-def target_name(target: float) -> str:
-    return f"auto:{100 * target:g}%"
+# What one width covers: a (layer, side) (`auto:1%/layer`) or a (layer, side, kv head) (`auto:1%/head`, when the profile
+# splits its KL over heads: `has_head_shares`); `auto:1%` is DEFAULT_GRAIN.
+GRAINS = ("layer", "head")
+DEFAULT_GRAIN = "layer"
+
+
+def parse_auto(arg: str) -> tuple[float, str]:
+    """'1%' -> (0.01, DEFAULT_GRAIN); '1%/head' -> (0.01, "head"): the target and the grain widths are allocated at."""
+    target, slash, grain = arg.partition("/") if isinstance(arg, str) else (arg, "", "")
+    if slash and grain not in GRAINS:
+        raise ValueError(f"auto takes auto:<target>%, auto:<target>%/layer (one width per layer and K/V) or auto:<target>%/head "
+                         f"(one per kv head), got auto:{arg}")
+    return parse_target(target), grain or DEFAULT_GRAIN
+
+
+def target_name(target: float, grain: str = DEFAULT_GRAIN) -> str:
+    return f"auto:{100 * target:g}%" + ("" if grain == DEFAULT_GRAIN else f"/{grain}")
 
 
 def codec_spec(side: str, bits: int) -> CodecSpec:
@@ -207,11 +227,18 @@ def _check_profile(profile, path: Path, command: str) -> None:
                 int(profile["block_bytes"][side][b])
         want = {(layer, side, b) for layer in layers for side in SIDES for b in bits}
         bad = sorted(k for k in want if not (isinstance(seen.get(k), float) and math.isfinite(seen[k]) and seen[k] >= 0))
+        bad += [(r["layer"], r["side"], r["bits"]) for r in profile["sensitivity"] if "head_shares" in r and not _valid_shares(r["head_shares"], profile["kv_heads"])]
         fingerprint_ok = isinstance(profile["fingerprint"], dict)
     except (KeyError, TypeError, ValueError) as err:
         raise ProfileError(f"{path} is a damaged calibration profile ({type(err).__name__}: {err}); {fix}") from err
     if bad or set(seen) != want or not fingerprint_ok:
         raise ProfileError(f"{path} is a damaged calibration profile (missing or invalid sensitivities, e.g. {(bad or sorted(set(seen) ^ want))[:3]}); {fix}")
+
+
+def _valid_shares(shares, heads: int) -> bool:
+    """One finite non-negative share per kv head, summing to 1."""
+    ok = isinstance(shares, list) and len(shares) == heads and all(isinstance(x, float | int) and math.isfinite(x) and x >= 0 for x in shares)
+    return ok and abs(sum(shares) - 1) < 1e-6
 
 
 # -- allocation ---------------------------------------------------------------------------------------------
@@ -247,6 +274,14 @@ def allocate(costs: Sequence[Sequence[int]], losses: Sequence[Sequence[float]], 
     return out[::-1]
 
 
+def _monotone(row: list[float]) -> list[float]:
+    """`row` (one cell per width, narrow to wide) with each width charged at least what any wider one measured."""
+    row = list(row)
+    for j in range(len(row) - 2, -1, -1):
+        row[j] = max(row[j], row[j + 1])
+    return row
+
+
 def sensitivities(profile: dict) -> dict[tuple[int, str], list[float]]:
     """The measured KL of every (layer, side) per width (in `profile["bits"]` order), made non-increasing in the width.
 
@@ -255,22 +290,63 @@ def sensitivities(profile: dict) -> dict[tuple[int, str], list[float]]:
     is charged at least what any wider one measured.
     """
     kl = {(r["layer"], r["side"], r["bits"]): r["kl"] for r in profile["sensitivity"]}
+    return {(layer, side): _monotone([kl[(layer, side, b)] for b in profile["bits"]]) for layer in profile["layers"] for side in SIDES}
+
+
+def has_head_shares(profile: dict) -> bool:
+    """Whether every record of `profile` splits its KL over the kv heads (`head_shares`; older profiles do not, and a model
+    with one kv head has nothing to split): then `auto:<target>` allocates widths per kv head."""
+    return profile["kv_heads"] > 1 and all("head_shares" in r for r in profile["sensitivity"])
+
+
+def head_sensitivities(profile: dict) -> dict[tuple[int, str, int], list[float]]:
+    """The KL of every (layer, side, kv head) per width: each probe's KL times the head's share of the layer's Fisher
+    prediction (`head_shares`), made non-increasing in the width as `sensitivities` does."""
+    rows = {(r["layer"], r["side"], r["bits"]): r for r in profile["sensitivity"]}
     out = {}
     for layer in profile["layers"]:
         for side in SIDES:
-            row = [kl[(layer, side, b)] for b in profile["bits"]]
-            for j in range(len(row) - 2, -1, -1):
-                row[j] = max(row[j], row[j + 1])
-            out[(layer, side)] = row
+            for h in range(profile["kv_heads"]):
+                out[(layer, side, h)] = _monotone([rows[(layer, side, b)]["kl"] * rows[(layer, side, b)]["head_shares"][h] for b in profile["bits"]])
     return out
 
 
-def method_from_profile(profile: dict, target: float) -> MethodConfig:
-    """The `auto` method for a perplexity target (a fraction): per-layer widths within log(1 + target) of KL."""
+def _heads_spec(widths: list[str], groups: list[tuple[str, str]], spec: dict, side: str) -> CodecSpec:
+    """A `heads` codec whose kv head h takes group `groups.index(pair of head h)`'s `side` width."""
+    codecs = [{"codec": spec[(side, pair[SIDES.index(side)])].codec, "options": dict(spec[(side, pair[SIDES.index(side)])].options)} for pair in groups]
+    return CodecSpec("heads", {"heads": [groups.index(w) for w in widths], "codecs": codecs})
+
+
+def _layer_entries(profile: dict, chosen: dict, spec: dict, per_head: bool) -> tuple[LayerCodecs, ...]:
+    """`LayerCodecs` of the chosen widths: layers with the same (key, value) pair share an entry; a layer whose kv heads
+    differ takes `heads` codecs with one partition for K and V (groups of heads with the same pair, so the fused
+    kernels run each group as one segment)."""
+    entries: dict[str, tuple[list[int], CodecSpec, CodecSpec]] = {}
+    heads = profile["kv_heads"] if per_head else 1
+    for layer in profile["layers"]:
+        pairs = [(chosen[(layer, "key", h)], chosen[(layer, "value", h)]) for h in range(heads)]
+        groups = sorted(set(pairs))
+        if len(groups) == 1:
+            key, value = spec[("key", groups[0][0])], spec[("value", groups[0][1])]
+        else:
+            key, value = _heads_spec(pairs, groups, spec, "key"), _heads_spec(pairs, groups, spec, "value")
+        name = json.dumps([key.codec, key.options, value.codec, value.options], sort_keys=True)
+        entries.setdefault(name, ([], key, value))[0].append(layer)
+    return tuple(LayerCodecs(tuple(layers), key, value) for _, (layers, key, value) in sorted(entries.items()))
+
+
+def method_from_profile(profile: dict, target: float, grain: str = DEFAULT_GRAIN) -> MethodConfig:
+    """The `auto` method for a perplexity target (a fraction): widths within log(1 + target) of KL, per (layer, side, kv
+    head) when `grain` is "head" and the profile splits its KL over heads (`has_head_shares`), else per (layer, side)."""
+    if grain not in GRAINS:
+        raise ValueError(f"grain must be one of {GRAINS}, got {grain!r}")
     bits = [str(b) for b in profile["bits"]]
-    items = [(layer, side) for layer in profile["layers"] for side in SIDES]
-    sens = sensitivities(profile)
-    costs = [[int(profile["block_bytes"][side][b]) for b in bits] for _, side in items]
+    per_head = grain == "head" and has_head_shares(profile)
+    heads = profile["kv_heads"] if per_head else 1
+    items = [(layer, side, h) for layer in profile["layers"] for side in SIDES for h in range(heads)]
+    sens = head_sensitivities(profile) if per_head else {(layer, side, 0): row for (layer, side), row in sensitivities(profile).items()}
+    # A block's tensors are per kv head (codes and norms of each head), so one head's bytes are the layer's / heads.
+    costs = [[int(profile["block_bytes"][side][b]) // heads for b in bits] for _, side, _ in items]
     losses = [sens[item] for item in items]
     budget = math.log1p(target)
     picks = allocate(costs, losses, budget)
@@ -283,36 +359,50 @@ def method_from_profile(profile: dict, target: float) -> MethodConfig:
         )
     chosen = {item: bits[j] for item, j in zip(items, picks, strict=True)}
     spec = {(side, b): CodecSpec(profile["codecs"][side][b]["codec"], dict(profile["codecs"][side][b]["options"])) for side in SIDES for b in bits}
-    pairs: dict[tuple[str, str], list[int]] = {}
-    for layer in profile["layers"]:
-        pairs.setdefault((chosen[(layer, "key")], chosen[(layer, "value")]), []).append(layer)
-    entries = tuple(LayerCodecs(tuple(layers), spec[("key", kb)], spec[("value", vb)]) for (kb, vb), layers in sorted(pairs.items()))
     top = str(max(profile["bits"]))
     # Every profiled layer has an entry; the base pair (widest) would serve only layers the profile lacks, and none are.
-    return MethodConfig(target_name(target), spec[("key", top)], spec[("value", top)], layer_codecs=entries)
+    return MethodConfig(target_name(target, grain), spec[("key", top)], spec[("value", top)], layer_codecs=_layer_entries(profile, chosen, spec, per_head))
 
 
 def auto_method(model, method: str = "auto:1%", profile: str | os.PathLike | None = None) -> MethodConfig:
-    """`auto:<target>` for `model`, from its profile (`profile`, else the default path); ProfileError names the fix."""
-    target = parse_target(method.removeprefix("auto:"))
+    """`auto:<target>` (`/layer` or `/head` optional: `parse_auto`) for `model`, from its profile (`profile`, else the default path);
+    ProfileError names the fix."""
+    target, grain = parse_auto(method.removeprefix("auto:"))
     if not hasattr(model, "named_parameters"):
         raise ValueError(f"{method} reads the model's calibration profile and checks it against the weights: pass the model, not its config")
-    return method_from_profile(load_profile(model, profile), target)
+    return method_from_profile(load_profile(model, profile), target, grain)
+
+
+def head_bits(spec: CodecSpec, kv_heads: int) -> list[int]:
+    """The width of each kv head under `spec`: a `heads` codec's per-group widths, else `spec_bits` on every head."""
+    if spec.codec != "heads":
+        return [spec_bits(spec)] * kv_heads
+    widths = [spec_bits(CodecSpec(e["codec"], dict(e.get("options", {})))) for e in spec.options["codecs"]]
+    return [widths[g] for g in spec.options["heads"]]
 
 
 def summary(method: MethodConfig, profile: dict) -> dict:
     """Of an auto method built from `profile`: mean code bits per coordinate, bytes per compressed token (all compressed
-    layers, K and V; sinks and window not counted) and their ratio to fp16, and the KL the profile predicts."""
-    sens = sensitivities(profile)
-    widths = [(layer, side, method.for_layer(layer).key if side == "key" else method.for_layer(layer).value) for layer in profile["layers"] for side in SIDES]
-    bits = [spec_bits(spec) for _, _, spec in widths]
-    nbytes = sum(profile["block_bytes"][side][str(b)] for (_, side, _), b in zip(widths, bits, strict=True)) / BLOCK
-    fp16 = len(profile["layers"]) * len(SIDES) * profile["kv_heads"] * profile["head_dim"] * 2
+    layers, K and V; sinks and window not counted) and their ratio to fp16, how many (layer, side)s mix widths over
+    their kv heads, and the KL the profile predicts (per kv head where the profile splits it, else per layer)."""
+    heads = profile["kv_heads"]
+    by_head = method.name.startswith("auto:") and parse_auto(method.name.removeprefix("auto:"))[1] == "head"
+    per_head = head_sensitivities(profile) if by_head and has_head_shares(profile) else None
+    layer_sens = sensitivities(profile)
+    cells = [(layer, side, head_bits(getattr(method.for_layer(layer), side), heads)) for layer in profile["layers"] for side in SIDES]
+    bits = [b for _, _, row in cells for b in row]
+    nbytes = sum(profile["block_bytes"][side][str(b)] / heads for _, side, row in cells for b in row) / BLOCK
+    fp16 = len(profile["layers"]) * len(SIDES) * heads * profile["head_dim"] * 2
+    if per_head is None:  # allocated per layer: every head of a cell has one width
+        kl = sum(layer_sens[(layer, side)][profile["bits"].index(row[0])] for layer, side, row in cells)
+    else:
+        kl = sum(per_head[(layer, side, h)][profile["bits"].index(b)] for layer, side, row in cells for h, b in enumerate(row))
     return {
         "mean_bits": sum(bits) / len(bits),
         "compressed_bytes_per_token": nbytes,
         "compressed_ratio_vs_fp16": fp16 / nbytes,
-        "predicted_kl": sum(sens[(layer, side)][profile["bits"].index(b)] for (layer, side, _), b in zip(widths, bits, strict=True)),
+        "mixed_head_cells": sum(len(set(row)) > 1 for _, _, row in cells),
+        "predicted_kl": kl,
     }
 
 
@@ -436,9 +526,11 @@ def _kl(logp: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
 
 
 def _probe_sensitivity(model, base, ref, text, layers, specs, config, tqdm, progress) -> list[dict]:
-    """Every (layer, side, width) measured by its own probe cache: one forward of the scored tokens each."""
-    _, scored, targets = text
+    """Every (layer, side, width) measured by its own probe cache: one forward of the scored tokens each; its split over
+    the kv heads from the Fisher diagonal (`_head_raw`: `draws` backward passes more)."""
+    prompt, scored, targets = text
     ref_nll = -ref[torch.arange(len(targets)), targets]
+    heads = _head_raw(fisher_diagonal(model, prompt, scored, config.draws), base, layers, specs, config.bits, len(scored))
     records = []
     probes = [(layer, side, b) for layer in layers for side in SIDES for b in config.bits]
     for layer, side, b in tqdm(probes, desc="calibrating", unit="probe", disable=not progress):
@@ -447,7 +539,7 @@ def _probe_sensitivity(model, base, ref, text, layers, specs, config, tqdm, prog
         nll = -logp[torch.arange(len(targets)), targets]
         records.append({
             "layer": layer, "side": side, "bits": b, "kl": kl.mean().item(), "kl_se": (kl.std() / len(kl) ** 0.5).item(),
-            "nll_delta": (nll - ref_nll).mean().item(),
+            "nll_delta": (nll - ref_nll).mean().item(), "head_shares": _shares(heads[(layer, side, b)]),
         })
     return records
 
@@ -512,7 +604,8 @@ def _fisher_sensitivity(model, base, ref, text, layers, specs, config, tqdm, pro
     steps = tqdm(total=config.draws + 1 + len(layers) + len(SIDES) * len(config.bits), desc="calibrating (fisher)", unit="pass", disable=not progress)
     fisher = fisher_diagonal(model, prompt, scored, config.draws)
     steps.update(config.draws + 1)
-    raw, predicted, probed = _corrected_predictions(model, base, ref, scored, fisher, layers, specs, config.bits, steps)
+    heads = _head_raw(fisher, base, layers, specs, config.bits, len(scored))
+    raw, predicted, probed = _corrected_predictions(model, base, ref, scored, heads, layers, config.bits, specs, steps)
     records = []
     for side in SIDES:
         for b in config.bits:
@@ -525,24 +618,40 @@ def _fisher_sensitivity(model, base, ref, text, layers, specs, config, tqdm, pro
             for layer in layers:
                 share = predicted[(layer, side, b)] / total if total > 0 else 1 / len(layers)
                 record = {"layer": layer, "side": side, "bits": b, "kl": measured * share, "fisher": raw[(layer, side, b)],
-                          "predicted": predicted[(layer, side, b)], "measured_all_layers": measured}
+                          "predicted": predicted[(layer, side, b)], "measured_all_layers": measured, "head_shares": _shares(heads[(layer, side, b)])}
                 records.append(record | ({"probe_kl": probed[layer]} if (side, b) == ("key", min(config.bits)) else {}))
     steps.close()
     return records
 
 
-def _corrected_predictions(model, base, ref, scored, fisher, layers, specs, bits, steps) -> tuple[dict, dict, dict]:
-    """(raw, predicted, probed): the Fisher's second-order KL of every (layer, side, width), the same with each layer's
-    key predictions scaled by its key probe at the narrowest width over their prediction there, and those probes."""
-    narrow = min(bits)
-    raw, predicted, probed = {}, {}, {}
+def _head_raw(fisher, base, layers, specs, bits, scored: int) -> dict[tuple[int, str, int], list[float]]:
+    """The Fisher's second-order KL of every (layer, side, width), per kv head: sum over the head's stored elements of
+    E[g^2] * delta^2 / 2 per scored token, delta the codec's real error on the prompt (sinks and window as stored)."""
+    out = {}
     for layer in layers:
         old = base.layers[layer]
         exact = {"key": old.keys, "value": old.values}
         for s, side in enumerate(SIDES):
             for b in bits:
                 delta = _stored(old, _probe(layer, side, specs[(side, b)]), layer).dequantized()[s].float() - exact[side].float()
-                raw[(layer, side, b)] = predicted[(layer, side, b)] = (fisher[layer][s] * delta.square()).sum().item() / (2 * len(scored))
+                out[(layer, side, b)] = ((fisher[layer][s] * delta.square()).sum(dim=(0, 2, 3)) / (2 * scored)).tolist()
+    return out
+
+
+def _shares(row: list[float]) -> list[float]:
+    """Each head's part of a layer's prediction (equal parts when the prediction is 0)."""
+    total = sum(row)
+    return [x / total for x in row] if total > 0 else [1 / len(row)] * len(row)
+
+
+def _corrected_predictions(model, base, ref, scored, heads, layers, bits, specs, steps) -> tuple[dict, dict, dict]:
+    """(raw, predicted, probed): the Fisher's second-order KL of every (layer, side, width) (the sum of its heads' in
+    `heads`), the same with each layer's key predictions scaled by its key probe at the narrowest width over their
+    prediction there, and those probes."""
+    narrow = min(bits)
+    raw = {cell: sum(row) for cell, row in heads.items()}
+    predicted, probed = dict(raw), {}
+    for layer in layers:
         probed[layer] = _kl(_score(model, _probe_cache(base, _probe(layer, "key", specs[("key", narrow)]), layer), scored), ref).mean().item()
         steps.update(1)
         if raw[(layer, "key", narrow)] > 0:

@@ -182,9 +182,9 @@ def check_method(name: str) -> None:
     base, _ = split_suffixes(name)  # `@anchors=`, `@window=`, `@seed=`: raises for a malformed one
     family, _, arg = base.partition(":")
     if family == "auto":  # its profile is checked once the model is loaded (it is per model)
-        from .auto import parse_target
+        from .auto import parse_auto
 
-        parse_target(arg)
+        parse_auto(arg)
         return
     if family not in METHODS:
         raise ValueError(f"unknown method {name!r}; kvpack methods: {', '.join(list_methods())}; peers: {', '.join(PEERS)}")
@@ -416,13 +416,15 @@ def cmd_calibrate(args) -> int:
     profile = auto.calibrate(model, tokenizer, config, progress=not args.quiet)
     path = auto.save_profile(profile, args.out or auto.profile_path(model))
     print(f"wrote {path} in {profile['calibration']['seconds']:.0f} s")
-    for target in (0.005, 0.01, 0.02, 0.04):
+    grains = auto.GRAINS if auto.has_head_shares(profile) else (auto.DEFAULT_GRAIN,)
+    for target, grain in ((t, g) for t in (0.005, 0.01, 0.02, 0.04) for g in grains):
+        name = auto.target_name(target, grain)
         try:
-            info = auto.summary(auto.method_from_profile(profile, target), profile)
+            info = auto.summary(auto.method_from_profile(profile, target, grain), profile)
         except ValueError as err:
-            print(f"  {auto.target_name(target):10s} {err}")
+            print(f"  {name:15s} {err}")
             continue
-        print(f"  {auto.target_name(target):10s} {info['mean_bits']:.2f} bits on average, compressed tokens {info['compressed_ratio_vs_fp16']:.2f}x "
+        print(f"  {name:15s} {info['mean_bits']:.2f} bits on average, compressed tokens {info['compressed_ratio_vs_fp16']:.2f}x "
               f"smaller than fp16, predicted +{100 * math.expm1(info['predicted_kl']):.2f}% perplexity")
     if args.out and Path(args.out).resolve() != auto.profile_path(model).resolve():
         print(f"auto:<target> reads {auto.profile_path(model)}; for this file set KVPACK_PROFILE_DIR={Path(args.out).parent} (and name it "
@@ -445,7 +447,7 @@ def cmd_methods(_args) -> int:
     print("kvpack methods: " + ", ".join(list_methods()))
     print(f"default:        {DEFAULT_METHOD} (kvpack.DEFAULT_METHOD); any name takes @anchors=P%, @window=N and @seed=N")
     print("                auto:<target>, e.g. auto:1%: per-layer TurboQuant bits for a perplexity target, from the model's "
-          "calibration profile (make it once: kvpack calibrate --model NAME)")
+          "calibration profile (make it once: kvpack calibrate --model NAME); auto:1%/head: widths per kv head")
     print("peers:          " + ", ".join(PEERS))
     return 0
 

@@ -32,6 +32,7 @@ CODECS: dict[str, str] = {
     "kvquant-key": "kvpack.codecs.kvquant:KVQuantKeyCodec",
     "kvquant-value": "kvpack.codecs.kvquant:KVQuantValueCodec",
     "subspace": "kvpack.codecs.subspace:SubspaceCodec",
+    "heads": "kvpack.codecs.heads:HeadsCodec",
 }
 
 CONFIG_CLASSES: dict[str, str] = {
@@ -46,6 +47,7 @@ CONFIG_CLASSES: dict[str, str] = {
     "kvquant-key": "kvpack.codecs.kvquant:KVQuantConfig",
     "kvquant-value": "kvpack.codecs.kvquant:KVQuantConfig",
     "subspace": "kvpack.codecs.subspace:SubspaceConfig",
+    "heads": "kvpack.codecs.heads:HeadsConfig",
 }
 
 
@@ -527,9 +529,9 @@ def _tiered(arg: str) -> MethodConfig:
 
 
 def _auto(arg: str) -> MethodConfig:
-    from .auto import parse_target
+    from .auto import parse_auto
 
-    parse_target(arg)  # a malformed target fails with the form it takes
+    parse_auto(arg)  # a malformed target fails with the form it takes
     raise ValueError(
         f"auto:{arg} allocates bits from the model's calibration profile, so it needs the model: pass it to "
         f"kvpack.KVCache(model, 'auto:{arg}'), or build the config with kvpack.auto.auto_method(model, 'auto:{arg}')"

@@ -65,7 +65,7 @@ def _run(model, ids, method: str, args, reference: list[torch.Tensor] | None) ->
     if method.startswith("auto:"):
         from kvpack import auto
 
-        target = auto.parse_target(method.removeprefix("auto:"))
+        target, _ = auto.parse_auto(method.removeprefix("auto:"))
         row |= {"target_pct": 100 * target, "kl_budget": math.log1p(target), **auto.summary(cache.method, auto.load_profile(model))}
     return row, result, chunks
 
@@ -140,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--targets", default="0.5,1,2,4", help="comma-separated perplexity targets in percent")
+    p.add_argument("--grains", default="layer", help="auto widths per layer and K/V ('layer') and/or per kv head ('head'), comma-separated")
     p.add_argument("--fixed", default=",".join(FIXED), help="comma-separated fixed methods to place beside them")
     p.add_argument("--context", type=int, default=2048)
     p.add_argument("--ppl-tokens", type=int, default=2048)
@@ -156,7 +157,10 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     from kvpack import auto
 
-    methods = [f"auto:{t}%" for t in args.targets.split(",") if t] + [m for m in args.fixed.split(",") if m]
+    grains = [g for g in args.grains.split(",") if g]
+    if any(g not in auto.GRAINS for g in grains):
+        raise SystemExit(f"--grains takes {' and/or '.join(auto.GRAINS)} (comma-separated), got {args.grains!r}")
+    methods = [auto.target_name(float(t) / 100, g) for t in args.targets.split(",") if t for g in grains] + [m for m in args.fixed.split(",") if m]
     requested = set(methods)  # what this run answers for, infeasible targets included: a merge keeps only the rest
     model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype))
     out = {"environment": environment(PROG, argv), "config": vars(args), "rows": []}

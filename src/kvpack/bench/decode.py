@@ -50,7 +50,7 @@ def prefill_dynamic(model, ids: torch.Tensor, chunk: int = 2048):
     return cache, logits
 
 
-def needs_queries(method: str) -> bool:
+def needs_queries(method) -> bool:
     """Whether `method` reads the prompt's queries (a prompt codec's fit, e.g. Shard's PCA rank, or its anchors),
     which only a real forward under `kvpack.enable` shows it."""
     from ..registry import get_method
@@ -61,7 +61,7 @@ def needs_queries(method: str) -> bool:
 
 
 @torch.no_grad()
-def fill_kvpack(model, method: str, source, ids: torch.Tensor | None = None) -> tuple[object, float]:
+def fill_kvpack(model, method, source, ids: torch.Tensor | None = None) -> tuple[object, float]:
     """A kvpack cache holding `source`'s K/V (a filled DynamicCache), compressed; and the seconds it took.
 
     With `ids` (the prompt) and a method that reads the prompt's queries (`needs_queries`), the cache is filled
@@ -87,7 +87,7 @@ def fill_kvpack(model, method: str, source, ids: torch.Tensor | None = None) -> 
     return cache, time.perf_counter() - start
 
 
-def _new_cache(model, method: str, source, ids: torch.Tensor):
+def _new_cache(model, method, source, ids: torch.Tensor):
     if method == "dynamic":
         import copy
 
@@ -96,15 +96,17 @@ def _new_cache(model, method: str, source, ids: torch.Tensor):
 
 
 @torch.no_grad()
-def run_context(model, ids: torch.Tensor, methods: list[str], steps: int, warmup: int, log=print) -> list[dict]:
-    """Rows for one context length: every method decoding `steps` interleaved greedy tokens."""
+def run_context(model, ids: torch.Tensor, methods: list[str], steps: int, warmup: int, log=print, configs: dict | None = None) -> list[dict]:
+    """Rows for one context length: every method decoding `steps` interleaved greedy tokens. `configs`: name ->
+    MethodConfig for names the registry cannot resolve alone (`auto:<target>`, read from the model's profile)."""
+    configs = configs or {}
     start = time.perf_counter()
     source, logits = prefill_dynamic(model, ids)
     batch, context = (1, len(ids)) if ids.dim() == 1 else ids.shape
     log(f"  prefill {batch} x {context} tokens (DynamicCache, chunked) in {time.perf_counter() - start:.1f} s")
     caches, fills, last = {}, {}, {}
     for m in methods:
-        caches[m], fills[m] = _new_cache(model, m, source, ids)
+        caches[m], fills[m] = _new_cache(model, configs.get(m, m), source, ids)
         last[m] = logits[:, -1].argmax(-1, keepdim=True)  # (B, 1): each row's greedy token
     del source
     times: dict[str, list[float]] = {m: [] for m in methods}
@@ -127,7 +129,7 @@ def run_context(model, ids: torch.Tensor, methods: list[str], steps: int, warmup
         rows.append({
             "method": m, "context": context, "batch": batch, "steps": steps, "mean_ms": 1e3 * mean, "p50_ms": 1e3 * _percentile(ts, 0.5),
             "p99_ms": 1e3 * _percentile(ts, 0.99), "tok_s": batch / mean, "speed_vs_first": base / mean, "kv_bytes": memory_report(caches[m], model.config)["total_bytes"],
-            "fill_s": fills[m], "fill_includes_forward": m != "dynamic" and needs_queries(m), "step_ms": [round(1e3 * t, 3) for t in ts],
+            "fill_s": fills[m], "fill_includes_forward": m != "dynamic" and needs_queries(configs.get(m, m)), "step_ms": [round(1e3 * t, 3) for t in ts],
         })
         log(f"  {m:22s} mean {1e3 * mean:7.1f} ms  p50 {rows[-1]['p50_ms']:7.1f}  p99 {rows[-1]['p99_ms']:7.1f}  x{base / mean:.2f} vs {methods[0]}")
     return rows
@@ -191,7 +193,12 @@ def main(argv: list[str] | None = None) -> int:
     if not methods or methods[0] != "dynamic":
         p.error("--methods must start with 'dynamic' (the reference)")
     for m in methods[1:]:
-        get_method(m)  # unknown names fail here, before any model loads
+        if m.startswith("auto:"):  # its profile is read once the model is loaded
+            from ..auto import parse_auto
+
+            parse_auto(m.removeprefix("auto:"))
+        else:
+            get_method(m)  # unknown names fail here, before any model loads
     if args.threads < 1 or args.steps < 1 or args.batch < 1 or any(c < 128 for c in contexts):
         p.error("--threads, --steps and --batch must be >= 1 and every context >= 128")
     torch.set_num_threads(args.threads)
@@ -205,11 +212,14 @@ def main(argv: list[str] | None = None) -> int:
     import kvpack
 
     kvpack.enable(model)
+    from ..auto import auto_method
+
+    configs = {m: auto_method(model, m) for m in methods if m.startswith("auto:")}  # a missing profile fails now, naming the command
     rows: list[dict] = []
     for ctx in contexts:
         print(f"{args.model}: context {ctx}", flush=True)
         ids = _prompt_ids(tok, args.text, ctx, args.batch, model.config.get_text_config(decoder=True).vocab_size)
-        rows += run_context(model, ids, methods, args.steps, args.warmup)
+        rows += run_context(model, ids, methods, args.steps, args.warmup, configs=configs)
         out = {"environment": environment(PROG), "model": args.model, "random_weights": args.random_weights, "dtype": args.dtype,
                "device": args.device, "batch": args.batch, "conditions": args.conditions, "rows": rows}
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

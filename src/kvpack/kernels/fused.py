@@ -9,6 +9,9 @@ log-sum-exp, as split-K flash decoding merges its splits.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
 import torch
 
 from ..primitives.validation import DEBUG
@@ -35,6 +38,8 @@ def segment_partial(q: torch.Tensor, seg, scale: float, first_position=None, ski
     leave out (the segment's anchors, held exact in another part), or None."""
     kc, vc = seg.key_codec, seg.value_codec
     kind = (kc.kernel_kind, vc.kernel_kind)
+    if kind == ("heads", "heads"):
+        return head_groups_partial(q, seg, lambda qg, group: segment_partial(qg, group, scale, first_position, skip))
     if kind == ("tq", "tq"):
         keys, values = seg.keys, seg.values
         turning = None
@@ -60,6 +65,34 @@ def segment_partial(q: torch.Tensor, seg, scale: float, first_position=None, ski
     return None
 
 
+class _GroupSegment(NamedTuple):
+    """One head group of a segment whose codecs split the kv heads (`HeadsCodec`): what the partials read."""
+
+    key_codec: Any
+    value_codec: Any
+    keys: Any
+    values: Any
+
+
+def head_groups_partial(q: torch.Tensor, seg, each: Callable[[torch.Tensor, _GroupSegment], Partial | None]) -> Partial | None:
+    """A segment whose K and V codecs split the kv heads into the same groups: `each(q_group, group_segment)` per group on
+    its kv heads' query rows `(b, group heads, rows, d)`, scattered back to `(b, kv, rows, ·)`. Heads attend independently,
+    so the groups' partials are the segment's exactly. None when the partitions differ or a group has no partial."""
+    kc, vc = seg.key_codec, seg.value_codec
+    if kc.partition != vc.partition:
+        return None
+    out: list[torch.Tensor] = []
+    for g, (ks, vs, kp, vp) in enumerate(zip(kc.inner, vc.inner, kc.split(seg.keys), vc.split(seg.values), strict=True)):
+        idx = kc.heads_of(g, q.device)
+        part = each(q.index_select(1, idx), _GroupSegment(ks, vs, kp, vp))
+        if part is None:
+            return None
+        out = out or [t.new_empty(t.shape[0], q.shape[1], *t.shape[2:]) for t in part]
+        for full, t in zip(out, part, strict=True):
+            full.index_copy_(1, idx, t)
+    return out[0], out[1], out[2]
+
+
 def merge(parts: list[Partial]) -> torch.Tensor:
     """Normalized attention output `(b, kv, rows, d_v)` from the parts' partials (one C++ call)."""
     return cpu_lut.merge_partials([p[0] for p in parts], [p[1] for p in parts], [p[2] for p in parts])
@@ -80,6 +113,8 @@ def ops_segment_partial(q: torch.Tensor, seg, scale: float, first_position=None)
     `first_position()`: as in `segment_partial`."""
     kc, vc = seg.key_codec, seg.value_codec
     kind = (kc.kernel_kind, vc.kernel_kind)
+    if kind == ("heads", "heads"):
+        return head_groups_partial(q, seg, lambda qg, group: ops_segment_partial(qg, group, scale, first_position))
     keys, values = seg.keys, seg.values
     if kind == ("tq", "tq"):
         bias = None
