@@ -123,16 +123,18 @@ def auto_rows(results: Path, everything: bool = False, context: str = "2k") -> s
     return "\n".join(lines)
 
 
+def _per_model(results: Path, pattern: str) -> list[tuple[str, dict]]:
+    """(model, JSON) of each AUTO_MODELS result file `pattern.format(model)` that exists."""
+    paths = [(model, results / pattern.format(model)) for model in AUTO_MODELS]
+    return [(model, json.loads(path.read_text())) for model, path in paths if path.exists()]
+
+
 def fisher_rows(results: Path) -> str:
     """Per model, scripts/fisher_sensitivity.py: calibration time of each mode, Spearman's rho of the raw Fisher
     predictions against the probes, the raw predictions' share of the measured KL, and the worst 2-bit keys."""
     lines = ["| model | calibration: probes / Fisher | rho: all cells (raw / profile) | rho raw: keys 2 / 3 / 4 / 8 bits | rho raw: values 2 / 3 / 4 bits | "
              "raw prediction / measured: keys 2 / 4, values 2 | worst keys at 2 bits: probes / Fisher profile |", "|---|---|---|---|---|---|---|"]
-    for model in AUTO_MODELS:
-        path = results / f"fisher-sensitivity-{model}.json"
-        if not path.exists():
-            continue
-        d = json.loads(path.read_text())
+    for model, d in _per_model(results, "fisher-sensitivity-{}.json"):
         rho, ratio, worst = d["rho_raw"], d["ratio_raw"], d["worst_keys_at_2_bits"]
         sec = {mode: f"{t['seconds']:.0f} s ({t['threads']} thread{'s' * (t['threads'] > 1)})" for mode, t in d["seconds"].items()}
         lines.append(f"| {model} | {sec['probes']} / {sec['fisher']} | {rho['all']:.2f} / {d['rho_profile']['all']:.2f} | "
@@ -146,11 +148,7 @@ def head_alloc_rows(results: Path) -> str:
     unequal a layer's heads are, and the bytes per compressed token the knapsack needs per layer and per head."""
     lines = ["| model | kv heads | rho within a layer, Fisher split vs measured (2-bit keys) | worst / best head of a layer (median) | "
              "bytes per token per layer / per head: 0.5% | 1% | 2% | 4% |", "|---|---:|---:|---:|---|---|---|---|"]
-    for model in AUTO_MODELS:
-        path = results / f"head-sensitivity-{model}.json"
-        if not path.exists():
-            continue
-        d = json.loads(path.read_text())
+    for model, d in _per_model(results, "head-sensitivity-{}.json"):
         cells = [f"{a['per_layer_bytes_per_token']:.0f} / {a['per_head_bytes_per_token']:.0f} (-{100 * a['bytes_saved']:.1f}%)" if a["reachable"] else "-"
                  for a in d["allocation"]]
         lines.append(f"| {model} | {d['kv_heads']} | {d['rho']['within_layer_share']:.2f} | {d['rho']['max_over_min_head_median']:.1f}x | {' | '.join(cells)} |")
