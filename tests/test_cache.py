@@ -467,3 +467,19 @@ def test_seed_suffix_is_another_draw_of_the_same_method():
         get_method("int8@seed=1")
     with pytest.raises(ValueError, match="non-negative integer"):
         kvpack.KVCache(model, "turboquant:k3v2@seed=-1")
+
+
+def test_a_cache_from_the_config_reads_the_rotary_tables_the_model_holds(tiny):
+    """Methods that read positions built from `model.config` alone: each compressed layer's (inv_freq, attention scaling)
+    is the model's own rotary module's (Gemma-3's per-layer-type tables included), and with a scaled RoPE as well."""
+    configs = [tiny]
+    if isinstance(tiny, LlamaForCausalLM):
+        torch.manual_seed(0)
+        rope = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0, "original_max_position_embeddings": 256}
+        configs.append(LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, num_key_value_heads=2, **{**SMALL, "rope_parameters": rope})).eval())
+    for model in configs:
+        pairs = zip(kvpack.KVCache(model.config, "turboquant:k3v2+ropemean").layers, kvpack.KVCache(model, "turboquant:k3v2+ropemean").layers, strict=True)
+        compressed = [(a, b) for a, b in pairs if isinstance(a, KVPackLayer)]
+        assert compressed and all(torch.equal(a.rope[0], b.rope[0]) and a.rope[1] == b.rope[1] for a, b in compressed)
+    if len(configs) > 1:
+        assert configs[1].model.rotary_emb.attention_scaling != 1.0  # YaRN scales cos/sin: the check above covered it

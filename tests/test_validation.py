@@ -97,11 +97,20 @@ def test_options_that_need_the_head_size_fail_at_construction_not_mid_generate(l
 
 
 @pytest.mark.parametrize("method", ["shard", "turboquant:k3v2+ropemean"])
-def test_positions_reading_methods_from_a_config_say_to_pass_the_model(llama, method):
-    with pytest.raises(ValueError, match=r"pass the model, not its config, so kvpack can read the rotary embedding"):
-        kvpack.KVCache(llama.config, method)
-    kvpack.KVCache(llama, method)  # the model itself is fine
-    kvpack.KVCache(llama.config, "int8")  # and methods that keep RoPE'd keys accept a config
+def test_positions_reading_methods_from_a_config_read_the_rotary_module_transformers_builds(llama, method):
+    """From the config alone, every layer's (inv_freq, attention scaling) is what the model's own rotary module holds."""
+    from_config, from_model = kvpack.KVCache(llama.config, method), kvpack.KVCache(llama, method)
+    for a, b in zip(from_config.layers, from_model.layers, strict=True):
+        assert torch.equal(a.rope[0], b.rope[0]) and a.rope[1] == b.rope[1]
+
+
+def test_a_config_without_a_readable_rotary_module_names_the_fix(llama, monkeypatch):
+    from kvpack.cache import kvcache
+
+    monkeypatch.setattr(kvcache, "_rotary_from_config", lambda text: None)
+    with pytest.raises(ValueError, match=r"reads token positions .* pass the model itself \(KVCache\(model, \.\.\.\)\)"):
+        kvpack.KVCache(llama.config, "shard")
+    kvpack.KVCache(llama.config, "int8")  # methods that keep RoPE'd keys need no rotary module
 
 
 # -- list_methods is the registry -----------------------------------------------------------------

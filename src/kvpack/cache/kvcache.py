@@ -95,18 +95,12 @@ def _uses_positions(method: MethodConfig) -> bool:
     return any(spec.uses_positions for spec in method.specs())
 
 
-def _check_codecs(method: MethodConfig, text, model_type: str, has_model: bool) -> None:
+def _check_codecs(method: MethodConfig, text, model_type: str) -> None:
     """Build each codec of the method once for this model's head size, so bad options fail here, not mid-generate."""
     heads = text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     for spec in method.specs():
-        if spec.uses_positions and not has_model:
-            raise ValueError(
-                f"method {method.name!r} reads token positions (codec {spec.codec!r}: keys without RoPE or centered on a mean "
-                "RoPE turns): pass the model, not its config, "
-                "so kvpack can read the rotary embedding (KVCache(model, ...))"
-            )
         try:
             codec = spec.build(head_dim, kv_heads)
         except ValueError as err:
@@ -142,11 +136,33 @@ def _rope_per_layer(model, kinds: list[tuple[str, int | None]]) -> list[tuple[to
     return out
 
 
+def _rotary_from_config(text) -> torch.nn.Module | None:
+    """The rotary-embedding module transformers builds for this (text) config's model type, wrapped for `_rope_per_layer`;
+    None when the model type has no single `*RotaryEmbedding` class or it cannot be built from the config."""
+    import importlib
+
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
+
+    name = MODEL_MAPPING_NAMES.get(getattr(text, "model_type", ""))
+    model_class = getattr(transformers, name, None) if name else None
+    if model_class is None:
+        return None
+    module = importlib.import_module(model_class.__module__)
+    classes = [getattr(module, n) for n in dir(module) if n.endswith("RotaryEmbedding")]
+    if len(classes) != 1:
+        return None
+    try:
+        return torch.nn.ModuleList([classes[0](config=text)])
+    except (AttributeError, KeyError, TypeError, ValueError):  # a config this class cannot read: the caller names the fix
+        return None
+
+
 class KVCache(Cache):
     """A compressed KV cache to pass as `model.generate(past_key_values=...)`.
 
-    model_or_config: the model (preferred: its rotary parameters are read for RoPE-aware codecs;
-    required by them, e.g. Shard) or its config. method: a registry name ("turboquant:k3v3",
+    model_or_config: the model (its rotary parameters are read for codecs that read positions, e.g. Shard) or its
+    config (those codecs then read the rotary module transformers builds from it). method: a registry name ("turboquant:k3v3",
     "kivi:2", "shard", ...) or a `MethodConfig`. Layer kinds are read from the config as
     `DynamicCache(config=...)` reads them (`layer_kinds`): sliding-window layers (Gemma3's local
     layers, every layer of a Mistral-style config with `sliding_window` and no `layer_types`) keep
@@ -176,18 +192,21 @@ class KVCache(Cache):
         model = model_or_config if hasattr(model_or_config, "config") else None
         kinds = layer_kinds(text)
         if any(kind == "full_attention" for kind, _ in kinds):
-            _check_codecs(self.method, text, model_type, model is not None)
-        ropes = _rope_per_layer(model, kinds)
+            _check_codecs(self.method, text, model_type)
         needs_rope = _uses_positions(self.method)
+        # From a config, the rotary module the model itself would build from it: the same inv_freq and scaling.
+        ropes = _rope_per_layer(model if model is not None else (_rotary_from_config(text) if needs_rope else None), kinds)
         layers = []
         for idx, (kind, window) in enumerate(kinds):
             if kind in ("sliding_attention", "chunked_attention"):
                 layers.append(DynamicSlidingWindowLayer(sliding_window=window))
             elif kind == "full_attention":
                 if ropes[idx] is None and needs_rope:
+                    source = type(model).__name__ if model is not None else f"transformers' {model_type!r} config"
                     raise ValueError(
-                        f"method {self.method.name!r} needs the rotary embedding of layer {idx}, "
-                        f"but {type(model).__name__} has no rotary module kvpack can read; use a method without RoPE-free keys (e.g. 'int8')"
+                        f"method {self.method.name!r} reads token positions (keys without RoPE, or centered on a mean RoPE turns) and "
+                        f"needs the rotary embedding of layer {idx}, but {source} gives no rotary module kvpack can read; pass the "
+                        "model itself (KVCache(model, ...)) or use a method without positions (e.g. 'turboquant:k3v2', 'int8')"
                     )
                 layers.append(KVPackLayer(self.method.for_layer(idx), idx, config, ropes[idx]))
             else:
