@@ -295,7 +295,7 @@ def sensitivities(profile: dict) -> dict[tuple[int, str], list[float]]:
 
 def has_head_shares(profile: dict) -> bool:
     """Whether every record of `profile` splits its KL over the kv heads (`head_shares`; older profiles do not, and a model
-    with one kv head has nothing to split): then `auto:<target>` allocates widths per kv head."""
+    with one kv head has nothing to split): then `auto:<target>/head` allocates widths per kv head."""
     return profile["kv_heads"] > 1 and all("head_shares" in r for r in profile["sensitivity"])
 
 
@@ -311,10 +311,11 @@ def head_sensitivities(profile: dict) -> dict[tuple[int, str, int], list[float]]
     return out
 
 
-def _heads_spec(widths: list[str], groups: list[tuple[str, str]], spec: dict, side: str) -> CodecSpec:
-    """A `heads` codec whose kv head h takes group `groups.index(pair of head h)`'s `side` width."""
+def _heads_spec(pairs: list[tuple[str, str]], groups: list[tuple[str, str]], spec: dict, side: str) -> CodecSpec:
+    """A `heads` codec whose kv head h, of (key, value) widths `pairs[h]`, is in group `groups.index(pairs[h])`, stored at
+    that group's `side` width."""
     codecs = [{"codec": spec[(side, pair[SIDES.index(side)])].codec, "options": dict(spec[(side, pair[SIDES.index(side)])].options)} for pair in groups]
-    return CodecSpec("heads", {"heads": [groups.index(w) for w in widths], "codecs": codecs})
+    return CodecSpec("heads", {"heads": [groups.index(pair) for pair in pairs], "codecs": codecs})
 
 
 def _layer_entries(profile: dict, chosen: dict, spec: dict, per_head: bool) -> tuple[LayerCodecs, ...]:
