@@ -11,8 +11,8 @@ README.md is docs/readme/*.md (PARTS, in order); docs/NAME.md is docs/templates/
     {{decode_speed:NAME}}  only bench/results/decode-NAME.json
     {{profile_summary}}  bench/results/profiles/*.json: where each model loses (kvpack.bench.profile_plot)
     {{auto_table}}    bench/results/auto-*-2k.json: auto:<target> beside the default and turboquant:k4v4 on each model (auto_rows)
-    {{auto_table:all}}  the same with every row of those runs (fixed widths and peers); {{auto_table:8k}} every row at 8K;
-    {{auto_table:2k-fisher}} the runs from the Fisher profiles; {{auto_table:2k-heads}} widths per kv head beside per layer;
+    {{auto_table:all}}  the same with every row of those runs (fixed widths and peers); {{auto_table:<run>}} every row of
+    bench/results/auto-*-<run>.json (8k; 2k-fisher: from the Fisher profiles; 2k-heads: widths per kv head beside per layer);
     {{head_alloc_table}} scripts/head_sensitivity.py per model; {{fisher_table}} scripts/fisher_sensitivity.py per model
 Every other page under docs/ is static markdown.
 """
@@ -203,9 +203,9 @@ def render(text: str, results: Path = RESULTS) -> str:
     text = re.sub(r"\{\{decode_speed:([\w.\-]+)\}\}", lambda m: decode_speed(results, m[1]), text)
     text = text.replace("{{shard_targets}}", shard_rows(results)).replace("{{decode_speed}}", decode_speed(results))
     text = text.replace("{{auto_table}}", auto_rows(results)).replace("{{auto_table:all}}", auto_rows(results, everything=True))
-    text = text.replace("{{auto_table:8k}}", auto_rows(results, everything=True, context="8k")).replace("{{profile_summary}}", profile_summary(results))
-    text = text.replace("{{auto_table:2k-fisher}}", auto_rows(results, everything=True, context="2k-fisher")).replace("{{fisher_table}}", fisher_rows(results))
-    text = text.replace("{{auto_table:2k-heads}}", auto_rows(results, everything=True, context="2k-heads")).replace("{{head_alloc_table}}", head_alloc_rows(results))
+    text = re.sub(r"\{\{auto_table:([\w.-]+)\}\}", lambda m: auto_rows(results, everything=True, context=m[1]), text)  # every row of auto-*-<run>.json
+    text = text.replace("{{profile_summary}}", profile_summary(results)).replace("{{fisher_table}}", fisher_rows(results))
+    text = text.replace("{{head_alloc_table}}", head_alloc_rows(results))
     if "{{" in text:
         raise ValueError(f"unknown placeholder: {re.search(r'{{[^}]*}}', text)[0]}")
     return text
