@@ -7,7 +7,8 @@
 # Results go to $OUT (default bench/results/gpu): run.log, attention-cuda.{json,png}, attention-cuda-shard.{json,png},
 # decode-cuda-b{1,32}.json. RANDOM_WEIGHTS=1 builds MODEL (then a directory holding its config.json) with random
 # weights: decode speed only, for a machine without the weights (fixed-width codecs cost the same on any weights).
-# STAGES picks stages (default "tests attention profile decode"); each has its own time limit (T_TESTS, T_ATTN,
+# STAGES picks stages (default "tests attention profile decode"; "candidates" times the default against
+# `+ropemean` and a `heads` method, keys with a pre-RoPE bias, to attention-cuda-candidates-d{64,128}.json); each has its own time limit (T_TESTS, T_ATTN,
 # T_ATTN_SHARD, T_PROFILE, T_DECODE seconds); a failing stage does not stop the rest. profile.json: scripts/gpu_profile.py.
 set -u
 OUT=${OUT:-bench/results/gpu}
@@ -29,6 +30,23 @@ want tests && stage "${T_TESTS:-140}" env KVPACK_TEST_DEVICE=cuda python3 -m pyt
 attn=(python3 -m kvpack.bench.attention --device cuda --dtype bfloat16 --contexts 8192 32768 --shapes d64-gqa7 d128-gqa4 --reps 20)
 want attention && stage "${T_ATTN:-90}" "${attn[@]}" --batch 1 32 --methods turboquant:k3v2 int8 --out "$OUT/attention-cuda.json"
 want attention && stage "${T_ATTN_SHARD:-70}" "${attn[@]}" --batch 1 --methods shard --out "$OUT/attention-cuda-shard.json"  # its PCA / k-means fit runs on the CPU
+
+# Widths per kv head as `auto:<target>/head` builds them (K and V share the groups; each group a fused pair).
+heads_json() {  # kv_heads -> a method JSON: heads alternate between tq3/tq2, tq4/tq3 and (from 3 groups) int8/int8
+    python3 -c "import json, sys; from kvpack.cache.serialize import method_to_json; from kvpack.registry import CodecSpec, MethodConfig
+kv, g = int(sys.argv[1]), int(sys.argv[2]); heads = [i % g for i in range(kv)]
+tq = lambda b: {'codec': 'turboquant', 'options': {'bits': b}}; i8 = {'codec': 'int8', 'options': {}}
+k, v = [tq(3), tq(4), i8][:g], [tq(2), tq(3), i8][:g]
+print(json.dumps(method_to_json(MethodConfig('heads', CodecSpec('heads', {'heads': heads, 'codecs': k}), CodecSpec('heads', {'heads': heads, 'codecs': v})))))" "$@"
+}
+default="turboquant:k3v2@anchors=0.5%@window=32"
+if want candidates; then
+    heads_json 2 2 > "$OUT/heads-2.json"; heads_json 8 3 > "$OUT/heads-8.json"
+    stage "${T_ATTN:-90}" "${attn[@]}" --shapes d64-gqa7 --batch 1 32 --key-bias 1.0 --out "$OUT/attention-cuda-candidates-d64.json" \
+        --methods "$default" "${default/k3v2/k3v2+ropemean}" "$OUT/heads-2.json"
+    stage "${T_ATTN:-90}" "${attn[@]}" --shapes d128-gqa4 --batch 1 32 --key-bias 1.0 --out "$OUT/attention-cuda-candidates-d128.json" \
+        --methods "$default" "${default/k3v2/k3v2+ropemean}" "$OUT/heads-8.json"
+fi
 
 config=$MODEL
 [ "${RANDOM_WEIGHTS:-0}" = 1 ] || config=$(python3 -c "from kvpack.models import MODELS, gguf_path, _converted_dir; import sys; m = sys.argv[1]; print(_converted_dir(MODELS[m].name, gguf_path(MODELS[m])) if m in MODELS else m)" "$MODEL")

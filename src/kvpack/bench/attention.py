@@ -28,7 +28,8 @@ import torch
 from ..attention import fused_decode, segmented_attention
 from ..cache.layer import PENDING, KVPackLayer
 from ..primitives.rope import apply_rope, rope_cos_sin
-from ..registry import get_method, list_methods
+from ..cache.serialize import method_from_json
+from ..registry import MethodConfig, get_method, list_methods
 from .env import environment
 
 SHAPES = {  # (kv_heads, q_heads, head_dim)
@@ -43,24 +44,28 @@ class _Enabled:
     _attn_implementation = "kvpack"
 
 
-def build_layer(method: str, n: int, kv_heads: int, head_dim: int, seed: int = 0, batch: int = 1,
-                device: str = "cpu", dtype: torch.dtype = torch.float32) -> KVPackLayer:
+def build_layer(method: str | MethodConfig, n: int, kv_heads: int, head_dim: int, seed: int = 0, batch: int = 1,
+                device: str = "cpu", dtype: torch.dtype = torch.float32, key_bias: float = 0.0) -> KVPackLayer:
     """A layer holding `n` random tokens `(batch, kv_heads, n, head_dim)` on `device`, prefilled in one
     update then one decode token.
 
     Values are Gaussian. Keys are RoPE'd at their positions from un-RoPEd keys whose spectrum decays over
     two decades (as real keys' does: Shard's PCA finds a rank below full, so its kernel does the work it
-    does on a model; the other codecs cost the same on any data)."""
+    does on a model; the other codecs cost the same on any data). `key_bias` adds to every un-RoPEd key one
+    constant vector per kv head, of `key_bias` times a key's RMS norm (a QKV bias, as Qwen2.5's): after RoPE it
+    turns with position, which is what `+ropemean` methods store apart (so their kernels do that work too)."""
     gen = torch.Generator(device=device).manual_seed(seed)
     inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim))
     layer = KVPackLayer(get_method(method), 0, _Enabled(), (inv_freq, 1.0))
     dim = kv_heads * head_dim
     basis, _ = torch.linalg.qr(torch.randn(dim, dim, generator=gen, device=device))
     spectrum = torch.logspace(0.5, -1.5, dim, device=device)
+    mean = torch.randn(kv_heads, head_dim, generator=gen, device=device)
+    mean = mean / mean.norm(dim=-1, keepdim=True) * key_bias * (spectrum.square().sum() / kv_heads).sqrt()
 
     def keys(t0: int, t: int) -> torch.Tensor:
         k0 = (torch.randn(batch, t, dim, generator=gen, device=device) * spectrum) @ basis.T
-        k0 = k0.view(batch, t, kv_heads, head_dim).transpose(1, 2)
+        k0 = k0.view(batch, t, kv_heads, head_dim).transpose(1, 2) + mean[:, None]
         cos, sin = rope_cos_sin(torch.arange(t0, t0 + t, device=device).expand(batch, t), inv_freq)
         return apply_rope(k0, cos, sin).to(dtype)
 
@@ -72,6 +77,14 @@ def build_layer(method: str, n: int, kv_heads: int, head_dim: int, seed: int = 0
     layer.update(keys(n - 1, 1), values(1))
     PENDING.layer = None  # no model attention follows this update: a model run later must not see it as pending
     return layer
+
+
+def load_method(method: str) -> MethodConfig:
+    """A method name, or the path of a method JSON file (`kvpack.cache.serialize.method_to_json`'s form, e.g. a
+    `heads` method whose widths differ per kv head: it must be written for the shape's kv head count)."""
+    if method.endswith(".json"):
+        return method_from_json(json.loads(Path(method).read_text()))
+    return get_method(method)
 
 
 def _timer(device: str):
@@ -101,9 +114,10 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
 
 
 def bench_one(method: str, n: int, shape: str, reps: int = 30, batch: int = 1, device: str = "cpu",
-              dtype: torch.dtype = torch.float32) -> dict:
+              dtype: torch.dtype = torch.float32, key_bias: float = 0.0) -> dict:
+    """One cell: `method` is a method name or a method JSON file (`load_method`)."""
     kv_heads, q_heads, d = SHAPES[shape]
-    layer = build_layer(method, n, kv_heads, d, batch=batch, device=device, dtype=dtype)
+    layer = build_layer(load_method(method), n, kv_heads, d, batch=batch, device=device, dtype=dtype, key_bias=key_bias)
     k, v = (t.to(dtype) for t in layer.dequantized())
     q = torch.randn(batch, q_heads, 1, d, device=device, dtype=dtype)
     scale = d**-0.5
@@ -127,7 +141,7 @@ def bench_one(method: str, n: int, shape: str, reps: int = 30, batch: int = 1, d
     mem = layer.memory()
     return {
         "method": method, "context": n, "shape": shape, "batch": batch, "device": device, "dtype": str(dtype).removeprefix("torch."),
-        "path": "segmented" if fused_decode(layer, q, scale) is None else "fused",
+        "key_bias": key_bias, "path": "segmented" if fused_decode(layer, q, scale) is None else "fused",
         "ours_ms": med["ours"] * 1e3, "sdpa_ms": med[base_name] * 1e3, "sdpa_kind": base_name,
         **{f"sdpa_{name}_ms": med[name] * 1e3 for name in baselines},
         "slowdown_vs_sdpa": med["ours"] / med[base_name], "speedup_vs_sdpa": med[base_name] / med["ours"],
@@ -163,13 +177,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--key-bias", type=float, default=0.0,
+                    help="a constant un-RoPEd key per kv head, in units of a key's RMS norm (as a QKV bias; 0: none)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path, default=Path("bench/results/attention.json"))
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda needs a CUDA build of torch and a GPU")
     for method in args.methods:
-        get_method(method)  # unknown names fail here, before any work
+        load_method(method)  # unknown names and unreadable files fail here, before any work
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     rows = []
@@ -179,7 +195,7 @@ def main(argv: list[str] | None = None) -> None:
             for n in args.contexts:
                 for method in args.methods:
                     try:
-                        row = bench_one(method, n, shape, args.reps, batch, args.device, dtype)
+                        row = bench_one(method, n, shape, args.reps, batch, args.device, dtype, args.key_bias)
                     except Exception as e:  # one failing cell is recorded, the sweep goes on
                         row = {"method": method, "context": n, "shape": shape, "batch": batch, "error": f"{type(e).__name__}: {e}"}
                         print(f"{shape:10s} b{batch:<3d} {n:6d} {method:22s} FAILED {row['error'][:300]}", flush=True)
