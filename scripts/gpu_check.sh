@@ -25,7 +25,7 @@ python3 -c "import sys, torch, triton, transformers; print(sys.version.split()[0
 STAGES=" ${STAGES:-tests attention profile decode} "
 want() { [[ "$STAGES" == *" $1 "* ]]; }
 
-want tests && stage "${T_TESTS:-140}" env KVPACK_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider -rs --tb=short tests/test_triton_kernels.py tests/test_triton_shard.py
+want tests && stage "${T_TESTS:-140}" env KVPACK_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider -rs --tb=short tests/test_triton_kernels.py tests/test_triton_shard.py ${TEST_ARGS:-}
 
 attn=(python3 -m kvpack.bench.attention --device cuda --dtype bfloat16 --contexts 8192 32768 --shapes d64-gqa7 d128-gqa4 --reps 20)
 want attention && stage "${T_ATTN:-90}" "${attn[@]}" --batch 1 32 --methods turboquant:k3v2 int8 --out "$OUT/attention-cuda.json"
@@ -49,7 +49,7 @@ if want candidates; then
 fi
 
 config=$MODEL
-[ "${RANDOM_WEIGHTS:-0}" = 1 ] || config=$(python3 -c "from kvpack.models import MODELS, gguf_path, _converted_dir; import sys; m = sys.argv[1]; print(_converted_dir(MODELS[m].name, gguf_path(MODELS[m])) if m in MODELS else m)" "$MODEL")
+want profile && [ "${RANDOM_WEIGHTS:-0}" != 1 ] && config=$(python3 -c "from kvpack.models import MODELS, gguf_path, _converted_dir; import sys; m = sys.argv[1]; print(_converted_dir(MODELS[m].name, gguf_path(MODELS[m])) if m in MODELS else m)" "$MODEL")
 want profile && stage "${T_PROFILE:-90}" python3 scripts/gpu_profile.py --config-dir "$config" --out "$OUT/profile.json"
 
 weights=()

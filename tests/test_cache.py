@@ -220,9 +220,9 @@ def test_turning_mean_keys_decode_fused_and_through_ops_as_over_the_dequantized_
             assert fused.segment_partial(group_query(q, hk), seg, d**-0.5, attention._first_position(layer, seg)) is not None
     from kvpack.kernels import fused, ops
 
-    backends = ["torch", *(["triton"] if ops.triton_available() else [])]
+    backends = ["torch", *(["cpu"] if kernels.available() else []), *(["triton"] if ops.triton_available() else [])]
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    for backend in backends:  # the route a CUDA step takes: the turning term rides into the op as an additive bias
+    for backend in backends:  # the route a CUDA step takes: the op's kernel forms the turning term from its turn_* arguments
         monkeypatch.setattr(ops, "_override", ops.Backend(backend))
         out = ungroup(attention._ops_decode(layer, group_query(q, hk), q, d**-0.5), hk * gqa)
         atol = 1e-3 if backend == "triton" else 2e-4  # Triton's q·k takes fp16 operands (docs/gpu.md); keys 4x the unit scale

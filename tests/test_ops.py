@@ -63,6 +63,19 @@ def tq_inputs(d: int, rows: int, k_bits: int, v_bits: int, t: int = T, seed: int
     )
 
 
+def turning_inputs(d: int, rows: int, pairs: int, pos0: tuple[int, ...] = (0, 3000, 200_000), mean: float = 4.0, seed: int = 1) -> dict:
+    """`tq_attention`'s `turn_*` arguments: keys centered on a turning mean over `pairs` RoPE pairs per head (distinct,
+    unsorted; the second head repeats its last pair with a zero mean, as the codec pads heads with fewer pairs), RoPE's
+    frequencies for `d`, and segments starting at the RoPE positions `pos0` (one per batch row; 200K tests the phase
+    reduction)."""
+    gen = torch.Generator().manual_seed(seed)
+    pair = torch.stack([torch.randperm(d // 2, generator=gen)[:pairs] for _ in range(H)])
+    mu = torch.randn(H, pairs, 2, generator=gen) * mean
+    pair[1, -1], mu[1, -1] = pair[1, 0], 0.0
+    return dict(turn_q=torch.randn(B, H, rows, d, generator=gen), turn_pair=pair, turn_mu=mu,
+                turn_freq=1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float64) / d)), turn_pos0=torch.tensor(pos0[:B]))
+
+
 def int8_inputs(d: int, rows: int, t: int = T, seed: int = 0) -> dict:
     gen = torch.Generator().manual_seed(seed)
     codec = Int8Codec(Int8Config(), d, H)
@@ -122,6 +135,32 @@ def test_tq_reference_matches_dense(small_chunk, d, group, q_len):
     v = tq_decode(x["v_codes"], x["v_norm"], x["v_centroids"], 2, d)
     assert_partial_close(got, dense_partial(x["q_rot"], k, v, x["scale"], bias, offset, 30.0))
     assert not any(t[2].any() for t in got)  # batch row 2 is fully masked: m = l = o = 0
+
+
+def turned_means_scores(x: dict, tokens: int) -> torch.Tensor:
+    """`<q, RoPE(μ, p_t)>` `(B, H, R, tokens)` from the turning inputs, in float64 with the means written out as full
+    `(H, d)` vectors and turned by the rotate-half RoPE at each key position: the dense form of the op's turning term."""
+    q, pair, mu, freq, pos0 = (x[k] for k in ("turn_q", "turn_pair", "turn_mu", "turn_freq", "turn_pos0"))
+    h, d = pair.shape[0], q.shape[-1]
+    full = torch.zeros(h, d, dtype=torch.float64)
+    for head in range(h):
+        for m, i in enumerate(pair[head].tolist()):
+            full[head, i] += mu[head, m, 0].double()
+            full[head, i + d // 2] += mu[head, m, 1].double()
+    phase = (pos0.double()[:, None] + torch.arange(tokens, dtype=torch.float64))[..., None] * freq  # (B, T, d/2)
+    cos, sin = torch.cat([phase.cos()] * 2, -1)[:, None], torch.cat([phase.sin()] * 2, -1)[:, None]  # (B, 1, T, d)
+    turned = full[None, :, None] * cos + torch.cat([-full[:, d // 2 :], full[:, : d // 2]], -1)[None, :, None] * sin
+    return q.double() @ turned.mT
+
+
+def test_tq_reference_turning_term_matches_turned_means(small_chunk):
+    """The turning-mean term the reference adds equals the query's product with each mean turned to its key's position."""
+    d, rows = 64, 3
+    x = tq_inputs(d, rows, 3, 2) | turning_inputs(d, rows, 9)
+    got = reference.tq_attention(**x)
+    k = tq_decode(x["k_codes"], x["k_norm"], x["k_centroids"], 3, d)
+    v = tq_decode(x["v_codes"], x["v_norm"], x["v_centroids"], 2, d)
+    assert_partial_close(got, dense_partial(x["q_rot"], k, v, x["scale"], row_offset=turned_means_scores(x, T)))
 
 
 def test_int8_and_kivi_references_match_dense(small_chunk):
@@ -363,6 +402,11 @@ def test_cpu_ops_run_the_cpp_kernels(op):
     for extra in ({"bias": make_bias(B, 1, T)}, {"softcap": 4.0}):
         for a, e in zip(fn(**x, **extra), ref(**x, **extra), strict=True):
             assert torch.equal(a, e)
+    if op == "tq_attention":  # keys centered on a turning mean: the C++ kernel's phasor tiles against the float64 reference
+        turn = turning_inputs(64, 4, 9)
+        assert_partial_close(fn(**x, **turn), ref(**x, **turn), rtol=2e-5)
+        with pytest.raises(ValueError, match="go together"):
+            fn(**x, turn_q=turn["turn_q"])
 
 
 def test_fallbacks_warn_once(fresh_dispatch):
@@ -410,7 +454,7 @@ def test_run_triton_on_cpu_needs_the_interpreter(monkeypatch):
 # -- registration ------------------------------------------------------------------------------------------
 def _op_samples():
     x = tq_inputs(64, 4, 3, 2, t=40)
-    tq = (*x.values(), torch.randn(B, H, 4, 1), make_bias(B, 1, 40), 20.0)
+    tq = (*x.values(), torch.randn(B, H, 4, 1), make_bias(B, 1, 40), 20.0, *turning_inputs(64, 4, 9).values())
     i8 = tuple(int8_inputs(64, 4, t=40).values()) + (make_bias(B, 1, 40),)
     kv = tuple(kivi_inputs(64, 4, 2, 4, t=64).values())
     enc = (torch.randn(B, H, 40, 64), torch.randn(H, 64), torch.rand(H, 64) + 0.5, torch.ones(H, 64), lloyd_max_codebook(64, 3, "gaussian").boundaries, 3)

@@ -46,6 +46,7 @@ from test_ops import (
     kivi_inputs,
     make_bias,
     tq_inputs,
+    turning_inputs,
 )
 
 # Triton chooses the interpreter when `triton` is first imported. In a whole-suite run it already was,
@@ -148,6 +149,33 @@ def test_tq_attention_offset_softcap_strided_and_masked_rows():
     m, denom, o = out = on_device(run_triton, "tq_attention", **(args | {k: dev[k] for k in ("k_codes", "k_norm", "v_codes", "v_norm")}), num_splits=4)
     assert_within_low_precision("tq_attention", out, args)
     assert not m[2].any() and not denom[2].any() and not o[2].any()
+
+
+TURN_CASES = [(64, 7, 1, 9, 3), (128, 4, 5, 40, 1), (96, 1, 1, 48, 2)]  # head_dim, GQA group, query tokens, turning pairs, splits
+
+
+@in_process
+@pytest.mark.parametrize("d,group,q_len,pairs,splits", TURN_CASES, ids=[f"d{c[0]}-g{c[1]}-q{c[2]}-m{c[3]}-s{c[4]}" for c in TURN_CASES])
+def test_tq_attention_with_turning_means(d, group, q_len, pairs, splits):
+    """Keys centered on a turning mean (`+ropemean`): the kernel forms their per-token term itself (segments starting at
+    RoPE positions 0, 3000 and 200K), within the float16 criterion of the float64-term reference."""
+    args = tq_inputs(d, group * q_len, 3, 2) | turning_inputs(d, group * q_len, pairs) | {"row_offset": torch.randn(B, H, group * q_len, 1)}
+    assert_within_low_precision("tq_attention", on_device(run_triton, "tq_attention", **args, num_splits=splits), args)
+
+
+@in_process
+def test_turning_term_phase_holds_at_long_positions():
+    """With the codes' norms zero the scores are the turning term alone, so m and l show its phase error directly. At
+    RoPE position 200K a float32 θ·p is off by ~0.01 rad (a 1e-3 relative error here); the kernel reduces each tile's
+    first phase in float64 and must agree with the float64 reference to 2e-5."""
+    d, rows = 64, 4
+    args = tq_inputs(d, rows, 3, 2) | turning_inputs(d, rows, 24, pos0=(200_000, 1_000_003, 77))
+    args["k_norm"] = torch.zeros_like(args["k_norm"])
+    m, denom, _ = on_device(run_triton, "tq_attention", **args, num_splits=2)
+    m_ref, denom_ref, _ = reference.tq_attention(**args)
+    assert m_ref.abs().amax() > 5.0  # the term is large: a phase error would show
+    torch.testing.assert_close(m, m_ref, rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(denom, denom_ref, rtol=2e-5, atol=2e-5)
 
 
 @in_process

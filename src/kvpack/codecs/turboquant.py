@@ -439,12 +439,6 @@ class TurboQuantCodec(UnRopedKeys, Codec):
         cos, sin = self._cos_sin(key_positions, q.shape[0], tokens, q.device)
         return rope_mean_scores(q, self._on("rope_mean", self.rope_mean, q.device), cos, sin)
 
-    def turning_scores(self, q: torch.Tensor, first_position: torch.Tensor, tokens: int) -> torch.Tensor:
-        """The turning pairs' raw-score term `(b, kv, rows, tokens)` of a segment whose token 0 sits at RoPE position
-        `first_position (b,)`, for grouped queries `(b, kv, rows, d)`: the custom-op route's additive bias."""
-        positions = first_position[:, None] + torch.arange(tokens, device=q.device)
-        return self._turning_scores(q.float(), positions, tokens)
-
     def kernel_turning(self, q: torch.Tensor, first_position) -> tuple | None:
         """What the CPU kernel needs for `rope_center` keys (`cpu_lut.tq_attention`'s `turning`): the grouped query
         `(b, kv, rows, d)` as the model formed it, each head's turning pairs and their un-RoPEd means, and the RoPE
@@ -453,6 +447,18 @@ class TurboQuantCodec(UnRopedKeys, Codec):
         if state is None:
             return None
         return (q.float().contiguous(), *state, first_position().to(torch.int64).contiguous())
+
+    def ops_turning(self, q: torch.Tensor, first_position) -> tuple[torch.Tensor, ...] | None:
+        """The `kvpack::tq_attention` op's `turn_*` arguments on the query's device: `(q (b, kv, rows, d) f32, pair, mu,
+        freq, pos0)` as `kernel_turning`'s (no phasor table: the op's kernels make their own); None when no pair turns.
+        The state's device copies are made once (`_on`), so a decode step copies only the one position."""
+        state = self._turning_state()
+        if state is None:
+            return None
+        pair, mu, freq, _ = state
+        dev = q.device
+        held = (self._on("turn_pair", pair, dev), self._on("turn_mu", mu, dev), self._on("turn_freq", freq, dev))
+        return (q.float().contiguous(), *held, first_position().to(device=dev, dtype=torch.int64).contiguous())
 
     def _turning_state(self) -> tuple[torch.Tensor, ...] | None:
         """`(pair (kv, M) i64, mu (kv, M, 2) f32 times RoPE's scaling, freq (d/2,) f64, w (d/2, 2, 64) f32)` of the turning

@@ -31,6 +31,7 @@ import torch
 from ..primitives.kmeans import assign
 from ..primitives.kmeans import d2_picks as kmeans_d2_picks
 from ..primitives.packing import pack_bits, packed_length, unpack_bits
+from . import reference
 
 SOURCE = Path(__file__).with_name("lut_kernels.cpp")
 LUT_BITS = (1, 2, 3, 4)
@@ -521,17 +522,11 @@ def phasor_table(inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def turning_scores_reference(turning: tuple, tokens: int) -> torch.Tensor:
-    """`(B, H, R, tokens)` raw-score terms of keys centered on a turning mean (see `tq_attention`), in float64 with a
-    cos/sin per token and pair (the kernel's phasors come from tables and recurrences instead)."""
+    """`(B, H, R, tokens)` raw-score terms of keys centered on a turning mean (see `tq_attention`): the ops' float64
+    reference (`reference.turning_scores`, a cos/sin per token and pair; the kernel's phasors come from tables and
+    recurrences instead)."""
     q, pair, mu, freq, _, pos0 = turning
-    half = q.shape[-1] // 2
-    idx = pair[None, :, None, :].expand(q.shape[0], -1, q.shape[2], -1)
-    qa, qb = q.double().gather(-1, idx), q.double().gather(-1, idx + half)  # (B, H, R, M)
-    ma, mb = mu[None, :, None, :, 0].double(), mu[None, :, None, :, 1].double()
-    a, b = qa * ma + qb * mb, qb * ma - qa * mb
-    positions = pos0.double()[:, None] + torch.arange(tokens, dtype=torch.float64)  # (B, T)
-    phase = positions[:, None, :, None] * freq.double()[pair][None, :, None, :]  # (B, H, T, M)
-    return (a @ phase.cos().mT + b @ phase.sin().mT).float()
+    return reference.turning_scores(q, pair, mu, freq, pos0, 0, tokens).float()
 
 
 def tq_attention_reference(q_rot, row_offset, k_codes, k_norm, k_cent, k_bits, v_codes, v_norm, v_cent, v_bits, scale, turning=None):

@@ -117,16 +117,16 @@ def ops_segment_partial(q: torch.Tensor, seg, scale: float, first_position=None)
         return head_groups_partial(q, seg, lambda qg, group: ops_segment_partial(qg, group, scale, first_position))
     keys, values = seg.keys, seg.values
     if kind == ("tq", "tq"):
-        bias = None
-        if getattr(kc, "rope_mean", None) is not None:  # keys centered on a turning mean: their term rides in as a bias
+        turning = ()
+        if getattr(kc, "rope_mean", None) is not None:  # keys centered on a turning mean: the op's kernel adds their term
             if first_position is None:
                 return None
-            bias = kc.turning_scores(q, first_position().to(q.device), keys.codes.shape[2]) * scale
+            turning = kc.ops_turning(q, first_position) or ()
         q_rot, offset = kc.kernel_query(q)
         cent_k = kc._on("centroids", kc.codebook.centroids, q.device)
         cent_v = vc._on("centroids", vc.codebook.centroids, q.device)
         m, denom, o = ops.tq_attention(q_rot, keys.codes, keys.norm, cent_k, kc.mse_bits, values.codes, values.norm, cent_v,
-                                       vc.mse_bits, q.shape[-1], scale, offset, bias)
+                                       vc.mse_bits, q.shape[-1], scale, offset, None, 0.0, *turning)
         return m, denom, vc.kernel_output(o, denom)
     if kind == ("pca", "vq") and first_position is not None:
         ks, vs = kc.kernel_state(), vc.kernel_state()

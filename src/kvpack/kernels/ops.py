@@ -4,7 +4,8 @@ Ops (namespace `kvpack`; arguments and results as in `reference.py`, which is th
 
     kvpack::tq_attention(Tensor q_rot, Tensor k_codes, Tensor k_norm, Tensor k_centroids, SymInt k_bits,
         Tensor v_codes, Tensor v_norm, Tensor v_centroids, SymInt v_bits, SymInt d, float scale,
-        Tensor? row_offset=None, Tensor? bias=None, float softcap=0.) -> (Tensor m, Tensor l, Tensor o)
+        Tensor? row_offset=None, Tensor? bias=None, float softcap=0., Tensor? turn_q=None, Tensor? turn_pair=None,
+        Tensor? turn_mu=None, Tensor? turn_freq=None, Tensor? turn_pos0=None) -> (Tensor m, Tensor l, Tensor o)
     kvpack::int8_attention(Tensor q, Tensor k_codes, Tensor k_scale, Tensor v_codes, Tensor v_scale,
         float scale, Tensor? bias=None, float softcap=0.) -> (Tensor m, Tensor l, Tensor o)
     kvpack::kivi_attention(Tensor q, Tensor k_codes, Tensor k_scale, Tensor k_zero, SymInt k_bits,
@@ -147,15 +148,23 @@ def _pca_vq_cpu(q, pos0, bitpos, bits, qmax, basis_t, mean, inv_freq, rope_scale
 
 
 def _tq_cpu(q_rot, k_codes, k_norm, k_centroids, k_bits, v_codes, v_norm, v_centroids, v_bits, d, scale, row_offset=None, bias=None,
-            softcap=0.0):
+            softcap=0.0, turn_q=None, turn_pair=None, turn_mu=None, turn_freq=None, turn_pos0=None):
     """`cpu_lut.tq_attention` behind the op's arguments. The C++ kernel takes no mask or softcap, up to
-    MAX_FUSED_ROWS float32 query rows, widths in LUT_BITS and values of the keys' head_dim: other calls
-    (and empty segments) take the reference."""
+    MAX_FUSED_ROWS float32 query rows, widths in LUT_BITS, values of the keys' head_dim and up to 64 turning
+    pairs (its own phasor table, from `turn_freq`): other calls (and empty segments) take the reference."""
+    turning = (turn_q, turn_pair, turn_mu, turn_freq, turn_pos0)
     if (bias is not None or softcap or q_rot.dtype != torch.float32 or q_rot.shape[2] > cpu_lut.MAX_FUSED_ROWS
-            or d != q_rot.shape[-1] or k_bits not in cpu_lut.LUT_BITS or v_bits not in cpu_lut.LUT_BITS or k_codes.shape[2] == 0):
+            or d != q_rot.shape[-1] or k_bits not in cpu_lut.LUT_BITS or v_bits not in cpu_lut.LUT_BITS or k_codes.shape[2] == 0
+            or (turn_pair is not None and turn_pair.shape[1] > 64)):
         return reference.tq_attention(q_rot, k_codes, k_norm, k_centroids, k_bits, v_codes, v_norm, v_centroids, v_bits, d, scale,
-                                      row_offset, bias, softcap)
-    return cpu_lut.tq_attention(q_rot, row_offset, k_codes, k_norm, k_centroids, k_bits, v_codes, v_norm, v_centroids, v_bits, scale)
+                                      row_offset, bias, softcap, *turning)
+    reference.check_turning(q_rot, *turning)
+    turn = None
+    if turn_q is not None:
+        freq, table = cpu_lut.phasor_table(turn_freq)
+        turn = (turn_q, turn_pair, turn_mu, freq, table, turn_pos0)
+    return cpu_lut.tq_attention(q_rot, row_offset, k_codes, k_norm, k_centroids, k_bits, v_codes, v_norm, v_centroids, v_bits, scale,
+                                turning=turn)
 
 
 def _int8_cpu(q, k_codes, k_scale, v_codes, v_scale, scale, bias=None, softcap=0.0):
@@ -232,14 +241,22 @@ def tq_attention(
     row_offset: Tensor | None = None,
     bias: Tensor | None = None,
     softcap: float = 0.0,
+    turn_q: Tensor | None = None,
+    turn_pair: Tensor | None = None,
+    turn_mu: Tensor | None = None,
+    turn_freq: Tensor | None = None,
+    turn_pos0: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Partial attention over TurboQuant MSE codes (`reference.tq_attention`): -> (m, l, o) float32."""
+    """Partial attention over TurboQuant MSE codes (`reference.tq_attention`; `turn_*`: keys centered on a turning
+    mean): -> (m, l, o) float32."""
     fn = implementation("tq_attention", q_rot.device)
-    return fn(q_rot, k_codes, k_norm, k_centroids, k_bits, v_codes, v_norm, v_centroids, v_bits, d, scale, row_offset, bias, softcap)
+    return fn(q_rot, k_codes, k_norm, k_centroids, k_bits, v_codes, v_norm, v_centroids, v_bits, d, scale, row_offset, bias, softcap,
+              turn_q, turn_pair, turn_mu, turn_freq, turn_pos0)
 
 
 @tq_attention.register_fake
-def _(q_rot, k_codes, k_norm, k_centroids, k_bits, v_codes, v_norm, v_centroids, v_bits, d, scale, row_offset=None, bias=None, softcap=0.0):
+def _(q_rot, k_codes, k_norm, k_centroids, k_bits, v_codes, v_norm, v_centroids, v_bits, d, scale, row_offset=None, bias=None, softcap=0.0,
+      turn_q=None, turn_pair=None, turn_mu=None, turn_freq=None, turn_pos0=None):
     return _partial_fake(q_rot, d)
 
 

@@ -87,6 +87,42 @@ def _check_bits(name: str, bits: int, allowed: tuple[int, ...]) -> None:
         raise ValueError(f"{name} must be one of {allowed}, got {bits!r}")
 
 
+def check_turning(q_rot: torch.Tensor, turn_q, turn_pair, turn_mu, turn_freq, turn_pos0) -> None:
+    """The turning-mean tensors of `tq_attention`: all five or none."""
+    given = [t is not None for t in (turn_q, turn_pair, turn_mu, turn_freq, turn_pos0)]
+    if not any(given):
+        return
+    if not all(given):
+        raise ValueError("turn_q, turn_pair, turn_mu, turn_freq and turn_pos0 go together: pass all five or none")
+    b, h, r, d = q_rot.shape
+    if d % 2:
+        raise ValueError(f"turning means need an even head dim (RoPE pairs), got {d}")
+    dev = q_rot.device
+    _expect("turn_q", turn_q, (torch.float32,), (b, h, r, d), dev)
+    _expect("turn_pair", turn_pair, (torch.int64,), (h, None), dev)
+    m = turn_pair.shape[1]
+    if not 1 <= m <= d // 2:
+        raise ValueError(f"turn_pair must hold 1..{d // 2} RoPE pairs per head, got {m}")
+    _expect("turn_mu", turn_mu, (torch.float32,), (h, m, 2), dev)
+    _expect("turn_freq", turn_freq, (torch.float64,), (d // 2,), dev)
+    _expect("turn_pos0", turn_pos0, (torch.int64,), (b,), dev)
+
+
+def turning_scores(turn_q, turn_pair, turn_mu, turn_freq, turn_pos0, t0: int, t1: int) -> torch.Tensor:
+    """Raw-score term `(B, H, R, t1 - t0)` of keys centered on a turning mean, for tokens [t0, t1) of the segment:
+    `Σ_m A_m cos(θ_m p) + B_m sin(θ_m p)` at position p = pos0 + t, with `A = q_a μ_a + q_b μ_b`, `B = q_b μ_a - q_a μ_b`
+    from the query's RoPE pair (a, b) = (i_m, i_m + d/2) and the pair's un-RoPEd mean (what `<q, RoPE(μ, p)>` is on
+    those pairs). float64 with a cos/sin per token and pair: the kernels' fast forms are checked against this."""
+    half = turn_q.shape[-1] // 2
+    idx = turn_pair[None, :, None, :].expand(turn_q.shape[0], -1, turn_q.shape[2], -1)
+    qa, qb = turn_q.double().gather(-1, idx), turn_q.double().gather(-1, idx + half)  # (B, H, R, M)
+    ma, mb = turn_mu[None, :, None, :, 0].double(), turn_mu[None, :, None, :, 1].double()
+    a, b = qa * ma + qb * mb, qb * ma - qa * mb
+    positions = turn_pos0.double()[:, None] + torch.arange(t0, t1, dtype=torch.float64, device=turn_q.device)  # (B, T)
+    phase = positions[:, None, :, None] * turn_freq.double()[turn_pair][None, :, None, :]  # (B, H, T, M)
+    return a @ phase.cos().mT + b @ phase.sin().mT
+
+
 def check_tq_attention(q_rot, k_codes, k_norm, k_centroids, k_bits, v_codes, v_norm, v_centroids, v_bits, d, row_offset, bias, softcap) -> None:
     b, h, _, dk = _check_query("q_rot", q_rot)
     _check_bits("k_bits", k_bits, TQ_BITS)
@@ -254,6 +290,11 @@ def tq_attention(
     row_offset: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
     softcap: float = 0.0,
+    turn_q: torch.Tensor | None = None,
+    turn_pair: torch.Tensor | None = None,
+    turn_mu: torch.Tensor | None = None,
+    turn_freq: torch.Tensor | None = None,
+    turn_pos0: torch.Tensor | None = None,
     *,
     compute_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -263,9 +304,15 @@ def tq_attention(
     k_codes (B, H, T, ceil(dk·k_bits/8)) uint8, k_norm (B, H, T, 1) float16, k_centroids (2**k_bits,)
     float32: k(t) = k_norm[t] · k_centroids[code(t)]. v_* likewise with v_bits and d (the value head
     dim). row_offset (B, H, R, 1) is added to <q, k> before scaling (e.g. q·μ of a centered codec).
-    Returns (m, denom, o) as in the module docstring; o stays in the rotated space.
+    Keys centered on a turning mean (`TurboQuantConfig.rope_center`) add `turning_scores` before scaling:
+    turn_q (B, H, R, dk) float32 the query as the model formed it (unrotated), turn_pair (H, M) int64 each head's
+    turning RoPE pairs (a head with fewer repeats a pair whose mean is 0), turn_mu (H, M, 2) float32 their un-RoPEd
+    means times RoPE's scaling, turn_freq (dk/2,) float64 RoPE's inv_freq, turn_pos0 (B,) int64 the RoPE position
+    of token 0. Returns (m, denom, o) as in the module docstring; o stays in the rotated space.
     """
     check_tq_attention(q_rot, k_codes, k_norm, k_centroids, k_bits, v_codes, v_norm, v_centroids, v_bits, d, row_offset, bias, softcap)
+    turning = (turn_q, turn_pair, turn_mu, turn_freq, turn_pos0)
+    check_turning(q_rot, *turning)
     b, h, r, dk = q_rot.shape
     q = q_rot.to(compute_dtype)
     k_table, v_table = k_centroids.to(compute_dtype), v_centroids.to(compute_dtype)
@@ -273,6 +320,8 @@ def tq_attention(
     def scores(t0: int, t1: int) -> torch.Tensor:
         k = k_table[unpack_bits(k_codes[:, :, t0:t1], k_bits, dk).long()]  # (B, H, C, dk)
         s = (q @ k.mT) * k_norm[:, :, t0:t1].to(compute_dtype).mT
+        if turn_q is not None:
+            s = s + turning_scores(*turning, t0, t1).to(compute_dtype)
         return s if row_offset is None else s + row_offset.to(compute_dtype)
 
     def values(t0: int, t1: int) -> torch.Tensor:

@@ -17,13 +17,15 @@ for TurboQuant and int8, chosen from H200 sweeps (docs/gpu.md).
 from __future__ import annotations
 
 import functools
+import math
+import weakref
 
 import torch
 import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from .reference import check_int8_attention, check_kivi_attention, check_tq_attention
+from .reference import check_int8_attention, check_kivi_attention, check_tq_attention, check_turning
 
 
 # -- shared device helpers -------------------------------------------------------------------------
@@ -103,6 +105,37 @@ def _finish_scores(s, b, h, rows, toks, row_ok, tok_ok, scale, softcap,
 
 
 @triton.jit
+def _turning_coefficients(tq_ptr, stq_b, stq_h, stq_r, pair_ptr, mu_ptr, b, h, rows, row_ok, M,
+                          HALF: tl.constexpr, BLOCK_M: tl.constexpr):
+    """`(A, B (BR, BM))` of the turning-mean term `A cos(θp) + B sin(θp)` per query row and turning pair, from the
+    unrotated query's RoPE pair (a, b) = (i, i + d/2) and the pair's un-RoPEd mean; and the pairs' indices and mask."""
+    mm = tl.arange(0, BLOCK_M)
+    m_ok = mm < M
+    pair = tl.load(pair_ptr + h * M + mm, mask=m_ok, other=0)
+    mu_a = tl.load(mu_ptr + (h * M + mm) * 2, mask=m_ok, other=0.0)
+    mu_b = tl.load(mu_ptr + (h * M + mm) * 2 + 1, mask=m_ok, other=0.0)
+    q_row = tq_ptr + b * stq_b + h * stq_h + rows[:, None] * stq_r
+    ok = row_ok[:, None] & m_ok[None, :]
+    q_a = tl.load(q_row + pair[None, :], mask=ok, other=0.0).to(tl.float32)
+    q_b = tl.load(q_row + pair[None, :] + HALF, mask=ok, other=0.0).to(tl.float32)
+    return q_a * mu_a[None, :] + q_b * mu_b[None, :], q_b * mu_a[None, :] - q_a * mu_b[None, :], pair, m_ok
+
+
+@triton.jit
+def _turning_scores(coef_a, coef_b, rate, pos, PRECISION: tl.constexpr, BLOCK_T: tl.constexpr):
+    """`(BR, BT)` turning-mean term of the tile whose first token sits at RoPE position `pos`, for the pairs' turns per
+    token `rate = θ/2π (BM,)` float64. The tile's first phase is reduced to a fraction of a turn in float64 (θ·p
+    reaches 10^4-10^6 rad, where a float32 product is off by 10^-3 rad or more; the rate comes in float64 because a
+    literal 1/2π here would be a float32 one); within the tile j·θ (j < BLOCK_T) is exact enough in float32."""
+    turns = pos.to(tl.float64) * rate
+    phase0 = (turns - tl.floor(turns)).to(tl.float32) * 6.283185307179586
+    j = tl.arange(0, BLOCK_T).to(tl.float32)
+    angle = phase0[None, :] + j[:, None] * (rate.to(tl.float32) * 6.283185307179586)[None, :]  # (BT, BM)
+    return (tl.dot(coef_a, tl.trans(tl.cos(angle)), input_precision=PRECISION)
+            + tl.dot(coef_b, tl.trans(tl.sin(angle)), input_precision=PRECISION))
+
+
+@triton.jit
 def _softmax_step(s, m_i):
     """New running max, the rescale factor of the old sums, and p = exp(s - max) for one tile."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -131,6 +164,7 @@ def _tq_attention_kernel(
     vc_ptr, svc_b, svc_h, svc_t, vn_ptr, svn_b, svn_h, svn_t, vcent_ptr,
     off_ptr, so_b, so_h, so_r,
     bias_ptr, sb_b, sb_h, sb_r, sb_t, bias_rows,
+    tq_ptr, stq_b, stq_h, stq_r, pair_ptr, mu_ptr, rate_ptr, pos0_ptr, M,
     m_ptr, l_ptr, o_ptr,
     H, R, T, split_len, scale, softcap,
     D: tl.constexpr, DV: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
@@ -138,6 +172,7 @@ def _tq_attention_kernel(
     BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     HAS_OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, FINAL: tl.constexpr,
     PRECISION: tl.constexpr, F16: tl.constexpr, GROUPED: tl.constexpr, SELECT: tl.constexpr,
+    HAS_TURN: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
     pid_bh = tl.program_id(0).to(tl.int64)
     b, h = pid_bh // H, pid_bh % H
@@ -151,6 +186,11 @@ def _tq_attention_kernel(
         q16, q_amax = _scaled_fp16(q)
     if HAS_OFFSET:
         offset = tl.load(off_ptr + b * so_b + h * so_h + rows * so_r, mask=row_ok, other=0.0).to(tl.float32)
+    if HAS_TURN:  # keys centered on a turning mean: their per-token term, computed here (no (rows x tokens) bias in memory)
+        coef_a, coef_b, pair, m_ok = _turning_coefficients(tq_ptr, stq_b, stq_h, stq_r, pair_ptr, mu_ptr, b, h, rows, row_ok, M,
+                                                           D // 2, BLOCK_M)
+        rate = tl.load(rate_ptr + pair, mask=m_ok, other=0.0)
+        pos0 = tl.load(pos0_ptr + b)
     gk = tl.arange(0, BLOCK_D // 8)
     gv = tl.arange(0, BLOCK_DV // 8)
     kc = kc_ptr + b * skc_b + h * skc_h
@@ -175,6 +215,8 @@ def _tq_attention_kernel(
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * k_norm[None, :]
         if HAS_OFFSET:
             s += offset[:, None]
+        if HAS_TURN:
+            s += _turning_scores(coef_a, coef_b, rate, pos0 + t0, PRECISION, BLOCK_T)
         s = _finish_scores(s, b, h, rows, toks, row_ok, tok_ok, scale, softcap,
                            bias_ptr, sb_b, sb_h, sb_r, sb_t, bias_rows, HAS_BIAS, HAS_SOFTCAP)
         m_i, alpha, p = _softmax_step(s, m_i)
@@ -449,6 +491,19 @@ def _empty(q: torch.Tensor, dv: int) -> tuple[torch.Tensor, torch.Tensor, torch.
     return z, z.clone(), q.new_zeros((b, h, r, dv), dtype=torch.float32)
 
 
+_RATES: dict[int, tuple] = {}
+
+
+def _turns_per_token(freq: torch.Tensor) -> torch.Tensor:
+    """`θ / 2π` float64 of a layer's RoPE frequencies `(d/2,)`, computed once per frequency tensor while it lives (the
+    codec's device copy, shared by its calls): no extra launch per decode step."""
+    hit = _RATES.get(id(freq))
+    if hit is None or hit[0]() is not freq:
+        key = id(freq)
+        hit = _RATES[key] = (weakref.ref(freq, lambda _, key=key: _RATES.pop(key, None)), (freq.double() / (2 * math.pi)).contiguous())
+    return hit[1]
+
+
 def _bias_args(bias: torch.Tensor | None, q: torch.Tensor) -> tuple:
     """Bias pointer, strides (b, h, row, token; 0 on broadcast dims) and row count; a dummy without bias."""
     if bias is None:
@@ -471,11 +526,17 @@ def tq_attention(
     row_offset: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
     softcap: float = 0.0,
+    turn_q: torch.Tensor | None = None,
+    turn_pair: torch.Tensor | None = None,
+    turn_mu: torch.Tensor | None = None,
+    turn_freq: torch.Tensor | None = None,
+    turn_pos0: torch.Tensor | None = None,
     *,
     num_splits: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Triton `reference.tq_attention`; `num_splits` overrides the sequence split count (tests)."""
     check_tq_attention(q_rot, k_codes, k_norm, k_centroids, k_bits, v_codes, v_norm, v_centroids, v_bits, d, row_offset, bias, softcap)
+    check_turning(q_rot, turn_q, turn_pair, turn_mu, turn_freq, turn_pos0)
     _check_device(q_rot)
     t = k_codes.shape[2]
     if t == 0 or q_rot.numel() == 0:
@@ -484,16 +545,23 @@ def tq_attention(
     plan = _Plan(q, t, q.shape[-1], d, num_splits, kernel="tq")
     m, denom, o = plan.buffers(q.device)
     off = (q, 0, 0, 0) if row_offset is None else (row_offset, *_strides(row_offset))
+    turn, block_m = (q, 0, 0, 0, q, q, q, q, 0), 16
+    if turn_q is not None:
+        tq = _rows_last(turn_q)
+        turn = (tq, *_strides(tq), turn_pair.contiguous(), turn_mu.contiguous(), _turns_per_token(turn_freq), turn_pos0.contiguous(),
+                turn_pair.shape[1])
+        block_m = max(16, triton.next_power_of_2(turn_pair.shape[1]))  # tl.dot's smallest inner size
     plan.launch(
         _tq_attention_kernel,
         q, *_strides(q), kc, *_strides(kc), kn, *_strides(kn), k_centroids.contiguous(),
         vc, *_strides(vc), vn, *_strides(vn), v_centroids.contiguous(),
-        *off, *_bias_args(bias, q), m, denom, o,
+        *off, *_bias_args(bias, q), *turn, m, denom, o,
         plan.h, plan.r, t, plan.split_len, float(scale), float(softcap),
         D=q.shape[-1], DV=d, KBITS=k_bits, VBITS=v_bits, KBYTES=kc.shape[-1], VBYTES=vc.shape[-1],
         BLOCK_R=plan.block_r, BLOCK_D=plan.block_d, BLOCK_DV=plan.block_dv,
         HAS_OFFSET=row_offset is not None, HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap > 0,
         FINAL=plan.splits == 1, PRECISION=plan.precision, F16=plan.f16, GROUPED=plan.grouped, SELECT=plan.select,
+        HAS_TURN=turn_q is not None, BLOCK_M=block_m,
     )
     return plan.finish(m, denom, o)
 
