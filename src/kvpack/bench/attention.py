@@ -44,17 +44,8 @@ class _Enabled:
     _attn_implementation = "kvpack"
 
 
-def build_layer(
-    method: str | MethodConfig,
-    n: int,
-    kv_heads: int,
-    head_dim: int,
-    seed: int = 0,
-    batch: int = 1,
-    device: str = "cpu",
-    dtype: torch.dtype = torch.float32,
-    key_bias: float = 0.0,
-) -> KVPackLayer:
+def build_layer(method: str | MethodConfig, n: int, kv_heads: int, head_dim: int, seed: int = 0, batch: int = 1,
+                device: str = "cpu", dtype: torch.dtype = torch.float32, key_bias: float = 0.0) -> KVPackLayer:
     """A layer holding `n` random tokens `(batch, kv_heads, n, head_dim)` on `device`, prefilled in one
     update then one decode token.
 
@@ -122,16 +113,8 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
     }
 
 
-def bench_one(
-    method: str,
-    n: int,
-    shape: str,
-    reps: int = 30,
-    batch: int = 1,
-    device: str = "cpu",
-    dtype: torch.dtype = torch.float32,
-    key_bias: float = 0.0,
-) -> dict:
+def bench_one(method: str, n: int, shape: str, reps: int = 30, batch: int = 1, device: str = "cpu",
+              dtype: torch.dtype = torch.float32, key_bias: float = 0.0) -> dict:
     """One cell: `method` is a method name or a method JSON file (`load_method`)."""
     kv_heads, q_heads, d = SHAPES[shape]
     layer = build_layer(load_method(method), n, kv_heads, d, batch=batch, device=device, dtype=dtype, key_bias=key_bias)
@@ -157,23 +140,12 @@ def bench_one(
     base_name = min(baselines, key=med.get)
     mem = layer.memory()
     return {
-        "method": method,
-        "context": n,
-        "shape": shape,
-        "batch": batch,
-        "device": device,
-        "dtype": str(dtype).removeprefix("torch."),
-        "key_bias": key_bias,
-        "path": "segmented" if fused_decode(layer, q, scale) is None else "fused",
-        "ours_ms": med["ours"] * 1e3,
-        "sdpa_ms": med[base_name] * 1e3,
-        "sdpa_kind": base_name,
+        "method": method, "context": n, "shape": shape, "batch": batch, "device": device, "dtype": str(dtype).removeprefix("torch."),
+        "key_bias": key_bias, "path": "segmented" if fused_decode(layer, q, scale) is None else "fused",
+        "ours_ms": med["ours"] * 1e3, "sdpa_ms": med[base_name] * 1e3, "sdpa_kind": base_name,
         **{f"sdpa_{name}_ms": med[name] * 1e3 for name in baselines},
-        "slowdown_vs_sdpa": med["ours"] / med[base_name],
-        "speedup_vs_sdpa": med[base_name] / med["ours"],
-        "max_abs_err_vs_dequantized": err,
-        "cache_bytes": sum(mem.values()),
-        "bf16_bytes": 2 * batch * kv_heads * n * d * 2,
+        "slowdown_vs_sdpa": med["ours"] / med[base_name], "speedup_vs_sdpa": med[base_name] / med["ours"],
+        "max_abs_err_vs_dequantized": err, "cache_bytes": sum(mem.values()), "bf16_bytes": 2 * batch * kv_heads * n * d * 2,
     }
 
 
@@ -187,20 +159,10 @@ def plot(rows: list[dict], path: Path) -> None:
     fig, axes = plt.subplots(1, len(shapes), figsize=(6 * len(shapes), 4), squeeze=False)
     for ax, shape in zip(axes[0], shapes, strict=True):
         for method in dict.fromkeys(r["method"] for r in rows):
-            pts = [
-                (r["context"], r["slowdown_vs_sdpa"])
-                for r in rows
-                if r["shape"] == shape and r["method"] == method and r["batch"] == min(r2["batch"] for r2 in rows)
-            ]
+            pts = [(r["context"], r["slowdown_vs_sdpa"]) for r in rows if r["shape"] == shape and r["method"] == method and r["batch"] == min(r2["batch"] for r2 in rows)]
             ax.plot(*zip(*pts, strict=True), marker="o", label=method)
         ax.axhline(1.0, color="k", lw=0.8, ls="--")
-        ax.set(
-            xscale="log",
-            yscale="log",
-            xlabel="context (tokens)",
-            ylabel="time / SDPA (uncompressed)",
-            title=f"decode attention, {shape}",
-        )
+        ax.set(xscale="log", yscale="log", xlabel="context (tokens)", ylabel="time / SDPA (uncompressed)", title=f"decode attention, {shape}")
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -215,12 +177,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--reps", type=int, default=30)
-    ap.add_argument(
-        "--key-bias",
-        type=float,
-        default=0.0,
-        help="a constant un-RoPEd key per kv head, in units of a key's RMS norm (as a QKV bias; 0: none)",
-    )
+    ap.add_argument("--key-bias", type=float, default=0.0,
+                    help="a constant un-RoPEd key per kv head, in units of a key's RMS norm (as a QKV bias; 0: none)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path, default=Path("bench/results/attention.json"))
     args = ap.parse_args(argv)
@@ -239,27 +197,16 @@ def main(argv: list[str] | None = None) -> None:
                     try:
                         row = bench_one(method, n, shape, args.reps, batch, args.device, dtype, args.key_bias)
                     except Exception as e:  # one failing cell is recorded, the sweep goes on
-                        row = {
-                            "method": method,
-                            "context": n,
-                            "shape": shape,
-                            "batch": batch,
-                            "error": f"{type(e).__name__}: {e}",
-                        }
+                        row = {"method": method, "context": n, "shape": shape, "batch": batch, "error": f"{type(e).__name__}: {e}"}
                         print(f"{shape:10s} b{batch:<3d} {n:6d} {method:22s} FAILED {row['error'][:300]}", flush=True)
                     else:
-                        print(
-                            f"{shape:10s} b{batch:<3d} {n:6d} {method:22s} ours {row['ours_ms']:8.3f} ms  sdpa {row['sdpa_ms']:7.3f} ms "
-                            f"({row['sdpa_kind']})  x{row['speedup_vs_sdpa']:.2f}  err {row['max_abs_err_vs_dequantized']:.1e}  "
-                            f"{row['bf16_bytes'] / row['cache_bytes']:.2f}x smaller than bf16",
-                            flush=True,
-                        )
+                        print(f"{shape:10s} b{batch:<3d} {n:6d} {method:22s} ours {row['ours_ms']:8.3f} ms  sdpa {row['sdpa_ms']:7.3f} ms "
+                              f"({row['sdpa_kind']})  x{row['speedup_vs_sdpa']:.2f}  err {row['max_abs_err_vs_dequantized']:.1e}  "
+                              f"{row['bf16_bytes'] / row['cache_bytes']:.2f}x smaller than bf16", flush=True)
                     rows.append(row)
                     if args.device == "cuda":
                         torch.cuda.empty_cache()
-                    args.out.write_text(
-                        json.dumps({"environment": environment("python -m kvpack.bench.attention"), "rows": rows}, indent=1)
-                    )
+                    args.out.write_text(json.dumps({"environment": environment("python -m kvpack.bench.attention"), "rows": rows}, indent=1))
     plot([r for r in rows if "error" not in r], args.out.with_suffix(".png"))
 
 
