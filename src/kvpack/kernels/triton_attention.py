@@ -122,17 +122,36 @@ def _turning_coefficients(tq_ptr, stq_b, stq_h, stq_r, pair_ptr, mu_ptr, b, h, r
 
 
 @triton.jit
-def _turning_scores(coef_a, coef_b, rate, pos, PRECISION: tl.constexpr, BLOCK_T: tl.constexpr):
+def _turning_table(rate, F16: tl.constexpr, BLOCK_T: tl.constexpr):
+    """`cos(jθ), sin(jθ) (BT, BM)` for the tile's token offsets j < BLOCK_T and the pairs' `θ = 2π·rate`: the same for
+    every tile, so a program forms it once (j·θ <= BLOCK_T·θ is exact enough in float32)."""
+    j = tl.arange(0, BLOCK_T).to(tl.float32)
+    angle = j[:, None] * (rate.to(tl.float32) * 6.283185307179586)[None, :]
+    cos_j, sin_j = tl.cos(angle), tl.sin(angle)
+    if F16:
+        return cos_j.to(tl.float16), sin_j.to(tl.float16)
+    return cos_j, sin_j
+
+
+@triton.jit
+def _turning_scores(coef_a, coef_b, rate, pos, cos_j, sin_j, PRECISION: tl.constexpr, F16: tl.constexpr):
     """`(BR, BT)` turning-mean term of the tile whose first token sits at RoPE position `pos`, for the pairs' turns per
-    token `rate = θ/2π (BM,)` float64. The tile's first phase is reduced to a fraction of a turn in float64 (θ·p
+    token `rate = θ/2π (BM,)` float64. The tile's first phase φ0 is reduced to a fraction of a turn in float64 (θ·p
     reaches 10^4-10^6 rad, where a float32 product is off by 10^-3 rad or more; the rate comes in float64 because a
-    literal 1/2π here would be a float32 one); within the tile j·θ (j < BLOCK_T) is exact enough in float32."""
+    literal 1/2π here would be a float32 one). Then A cos(φ0 + jθ) + B sin(φ0 + jθ) = E cos(jθ) + F sin(jθ) with
+    E = A c0 + B s0, F = B c0 - A s0: two small dots against the program's table, no transcendental per token. With
+    F16 the dots take fp16 operands as the kernel's others do (E, F divided by their row's largest magnitude)."""
     turns = pos.to(tl.float64) * rate
     phase0 = (turns - tl.floor(turns)).to(tl.float32) * 6.283185307179586
-    j = tl.arange(0, BLOCK_T).to(tl.float32)
-    angle = phase0[None, :] + j[:, None] * (rate.to(tl.float32) * 6.283185307179586)[None, :]  # (BT, BM)
-    return (tl.dot(coef_a, tl.trans(tl.cos(angle)), input_precision=PRECISION)
-            + tl.dot(coef_b, tl.trans(tl.sin(angle)), input_precision=PRECISION))
+    c0, s0 = tl.cos(phase0)[None, :], tl.sin(phase0)[None, :]
+    e = coef_a * c0 + coef_b * s0  # (BR, BM)
+    f = coef_b * c0 - coef_a * s0
+    if F16:
+        amax = tl.maximum(tl.max(tl.abs(e), 1), tl.max(tl.abs(f), 1))
+        amax = tl.where(amax > 0, amax, 1.0)
+        e16, f16 = (e / amax[:, None]).to(tl.float16), (f / amax[:, None]).to(tl.float16)
+        return (tl.dot(e16, tl.trans(cos_j)) + tl.dot(f16, tl.trans(sin_j))) * amax[:, None]
+    return tl.dot(e, tl.trans(cos_j), input_precision=PRECISION) + tl.dot(f, tl.trans(sin_j), input_precision=PRECISION)
 
 
 @triton.jit
@@ -191,6 +210,7 @@ def _tq_attention_kernel(
                                                            D // 2, BLOCK_M)
         rate = tl.load(rate_ptr + pair, mask=m_ok, other=0.0)
         pos0 = tl.load(pos0_ptr + b)
+        cos_j, sin_j = _turning_table(rate, F16, BLOCK_T)
     gk = tl.arange(0, BLOCK_D // 8)
     gv = tl.arange(0, BLOCK_DV // 8)
     kc = kc_ptr + b * skc_b + h * skc_h
@@ -216,7 +236,7 @@ def _tq_attention_kernel(
         if HAS_OFFSET:
             s += offset[:, None]
         if HAS_TURN:
-            s += _turning_scores(coef_a, coef_b, rate, pos0 + t0, PRECISION, BLOCK_T)
+            s += _turning_scores(coef_a, coef_b, rate, pos0 + t0, cos_j, sin_j, PRECISION, F16)
         s = _finish_scores(s, b, h, rows, toks, row_ok, tok_ok, scale, softcap,
                            bias_ptr, sb_b, sb_h, sb_r, sb_t, bias_rows, HAS_BIAS, HAS_SOFTCAP)
         m_i, alpha, p = _softmax_step(s, m_i)
