@@ -122,15 +122,12 @@ def _turning_coefficients(tq_ptr, stq_b, stq_h, stq_r, pair_ptr, mu_ptr, b, h, r
 
 
 @triton.jit
-def _turning_table(rate, F16: tl.constexpr, BLOCK_T: tl.constexpr):
-    """`cos(jθ), sin(jθ) (BT, BM)` for the tile's token offsets j < BLOCK_T and the pairs' `θ = 2π·rate`: the same for
-    every tile, so a program forms it once (j·θ <= BLOCK_T·θ is exact enough in float32)."""
+def _turning_table(rate, DTYPE: tl.constexpr, BLOCK_T: tl.constexpr):
+    """`cos(jθ), sin(jθ) (BT, BM)` in DTYPE for the tile's token offsets j < BLOCK_T and the pairs' `θ = 2π·rate`: the
+    same for every tile, so a program forms it once (j·θ <= BLOCK_T·θ is exact enough in float32)."""
     j = tl.arange(0, BLOCK_T).to(tl.float32)
     angle = j[:, None] * (rate.to(tl.float32) * 6.283185307179586)[None, :]
-    cos_j, sin_j = tl.cos(angle), tl.sin(angle)
-    if F16:
-        return cos_j.to(tl.float16), sin_j.to(tl.float16)
-    return cos_j, sin_j
+    return tl.cos(angle).to(DTYPE), tl.sin(angle).to(DTYPE)
 
 
 @triton.jit
@@ -210,7 +207,10 @@ def _tq_attention_kernel(
                                                            D // 2, BLOCK_M)
         rate = tl.load(rate_ptr + pair, mask=m_ok, other=0.0)
         pos0 = tl.load(pos0_ptr + b)
-        cos_j, sin_j = _turning_table(rate, F16, BLOCK_T)
+        if F16:  # (one return type per jitted function: the compiler refuses a dtype chosen inside it)
+            cos_j, sin_j = _turning_table(rate, tl.float16, BLOCK_T)
+        else:
+            cos_j, sin_j = _turning_table(rate, tl.float32, BLOCK_T)
     gk = tl.arange(0, BLOCK_D // 8)
     gv = tl.arange(0, BLOCK_DV // 8)
     kc = kc_ptr + b * skc_b + h * skc_h
