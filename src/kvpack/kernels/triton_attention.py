@@ -147,8 +147,10 @@ def _turning_scores(coef_a, coef_b, rate, pos, cos_j, sin_j, PRECISION: tl.const
         amax = tl.maximum(tl.max(tl.abs(e), 1), tl.max(tl.abs(f), 1))
         amax = tl.where(amax > 0, amax, 1.0)
         e16, f16 = (e / amax[:, None]).to(tl.float16), (f / amax[:, None]).to(tl.float16)
-        return (tl.dot(e16, tl.trans(cos_j)) + tl.dot(f16, tl.trans(sin_j))) * amax[:, None]
-    return tl.dot(e, tl.trans(cos_j), input_precision=PRECISION) + tl.dot(f, tl.trans(sin_j), input_precision=PRECISION)
+        out = (tl.dot(e16, tl.trans(cos_j)) + tl.dot(f16, tl.trans(sin_j))) * amax[:, None]
+    else:  # (an explicit else: code after a constexpr branch's return is still compiled, with fp16 tables here)
+        out = tl.dot(e, tl.trans(cos_j), input_precision=PRECISION) + tl.dot(f, tl.trans(sin_j), input_precision=PRECISION)
+    return out
 
 
 @triton.jit
