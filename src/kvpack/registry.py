@@ -541,12 +541,13 @@ def _auto(arg: str) -> MethodConfig:
 # Registered by hand, not with `@method`: list_methods() is the test matrix, and it has no calibration profile.
 METHODS["auto"] = _auto
 
-# The default: TurboQuant 3-bit keys and 2-bit values, the 0.5% most-attended compressed tokens kept exact (anchors), and
-# a 32-token exact window. Over five rotation draws at 2K it loses +1.7% (SmolLM2) and +1.2% (Gemma-3) perplexity at
-# 5.14x, where turboquant:k3v2 (window 64, no anchors) loses +2.7% and +2.9% at 4.96x; at 8K on SmolLM2 +0.6-0.8% at
-# 5.49x against +2.3% (docs/decisions.md, "Choosing the default"). shard:k3v2+e1@anchors=0.5% is better at 2K and
-# worse at 8K on Gemma-3, slower and larger at short contexts ("A Shard-based candidate" there).
-DEFAULT_METHOD = "turboquant:k3v2@anchors=0.5%@window=32"
+# The default: TurboQuant 3-bit keys and 2-bit values, keys centered on their un-RoPEd mean turned to each token's
+# position on the RoPE pairs where that gains (`+ropemean`: a QKV bias or massive channel, constant before RoPE, turns
+# with position after it), the 0.5% most-attended compressed tokens kept exact (anchors), and a 32-token exact window.
+# Over five rotation draws at 2K it loses +1.5% (SmolLM2) and +1.2% (Gemma-3) perplexity at 5.12x, where
+# turboquant:k3v2 (window 64, no anchors, post-RoPE mean) loses +2.7% and +2.9% at 4.96x; next-token KL falls 4-6% at 2K
+# and 21% at 8K against the same method without `+ropemean` (docs/decisions.md, "Choosing the default").
+DEFAULT_METHOD = "turboquant:k3v2+ropemean@anchors=0.5%@window=32"
 
 
 def get_method(method: str | MethodConfig) -> MethodConfig:

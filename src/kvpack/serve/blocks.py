@@ -95,7 +95,8 @@ def _build(spec: CodecSpec, head_dim: int, kv_heads: int, layer: int) -> Codec:
         raise ValueError(
             f"codec {spec.codec!r} reads token positions and the model's rotary embedding (keys stored without RoPE, or "
             "centered on a mean turned by it); "
-            "block storage takes only codecs that need no token positions"
+            "block storage takes only codecs that need no token positions: store the blocks with a method such as "
+            "'int8' or 'turboquant:k3v2' (kvpack.DEFAULT_METHOD's '+ropemean' keys read positions)"
         )
     return codec
 
