@@ -13,7 +13,9 @@ Writes JSON rows to `<out>/codecs.json`, a plot to `<out>/codecs.png`, and print
 With the optional peer `turbokv` installed (`pip install "kvpack[peers]"`), `--peer` also times kvpack's
 TurboQuant encode against turbokv's `TurboQuantizer.quantize` on the same vectors (head_dim 128, 2 and
 4 bits, `--threads` threads), interleaved call by call (A B A B ...) in this process, and writes
-`<out>/codecs-encode.json` with the environment stamp.
+`<out>/codecs-encode.json` with the environment stamp. `--trellis` measures bitshift trellis-coded quantization
+(a vector quantizer, `kvpack.primitives.trellis`) against the scalar Lloyd-Max optimum and the Shannon bound on the
+same unit vectors, to `<out>/codecs-trellis.json`.
 """
 
 from __future__ import annotations
@@ -213,15 +215,54 @@ def encode_vs_turbokv(vectors: int, reps: int = 30, d: int = 128) -> list[dict[s
     return rows
 
 
+TRELLIS = ((2, 8), (2, 10), (3, 9), (3, 11))  # (bits per coordinate k, state bits L)
+
+
+def trellis_rows(vectors: int, dims: tuple[int, ...] = (64, 128), train: int = 2048) -> list[dict[str, Any]]:
+    """Bitshift trellis-coded quantization (`primitives.trellis`) next to the scalar Lloyd-Max codebook at the same k:
+    mean ||x - x̂||² of unit vectors uniform on the sphere (the coordinates TurboQuant codes after its rotation), each
+    coded as one trellis sequence of d coordinates scaled by sqrt(d) (so ~N(0, 1): the codebook is fitted once on
+    Gaussian sequences, not on the test vectors, as a Lloyd-Max table is), against the Lloyd-Max optimum at k bits
+    (`expected_mse`) and the Shannon bound 4^-bits at the trellis's own stored bits per value."""
+    from ..primitives import trellis
+
+    rows = []
+    for k, state_bits in TRELLIS:
+        book = trellis.train_codebook(torch.randn(train, 64, generator=torch.Generator().manual_seed(1)), k, state_bits)
+        for d in dims:
+            unit = _unit((vectors, d), torch.Generator().manual_seed(d))
+            start = time.perf_counter()
+            states, _ = trellis.viterbi(unit * math.sqrt(d), book, k)
+            seconds = time.perf_counter() - start
+            rec = trellis.decode(trellis.to_bits(states, k, state_bits), book, k) / math.sqrt(d)
+            bits = trellis.bits_per_value(d, k, state_bits)
+            mse = (rec - unit).pow(2).sum(-1).mean().item()
+            lloyd = expected_mse(d, k)
+            rows.append({"codec": f"trellis k={k} L={state_bits}", "head_dim": d, "bits_per_value": bits, "mse_sphere": mse,
+                         "lloyd_max_mse_at_k_bits": lloyd, "vs_lloyd_max": mse / lloyd, "shannon_bound_at_bits": 4.0**-bits,
+                         "vs_shannon": mse / 4.0**-bits, "encode_vec_per_s": vectors / seconds, "vectors": vectors})
+            print(f"  trellis k={k} L={state_bits} d={d}: {bits:.3f} bits/value, MSE {mse:.4f} (Lloyd-Max at {k} bits {lloyd:.4f}, "
+                  f"{mse / lloyd:.2f}x; Shannon bound {4.0**-bits:.4f}, {mse / 4.0**-bits:.2f}x)", flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="bench/results", help="folder for codecs.json and codecs.png")
     parser.add_argument("--vectors", type=int, default=8192, help="vectors per measurement (multiple of 256)")
     parser.add_argument("--peer", action="store_true", help="only the encode comparison with turbokv (codecs-encode.json)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (the encode comparison; the codec table uses 1)")
+    parser.add_argument("--trellis", action="store_true", help="only trellis-coded quantization vs Lloyd-Max (codecs-trellis.json)")
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.trellis:
+        from .env import environment
+
+        torch.set_num_threads(args.threads)
+        rows = trellis_rows(args.vectors)
+        (out / "codecs-trellis.json").write_text(json.dumps({"environment": environment("python -m kvpack.bench.codecs"), "rows": rows}, indent=1))
+        return rows
     if args.peer:
         from .env import environment
 
