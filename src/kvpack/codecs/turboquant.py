@@ -24,6 +24,7 @@ import torch
 
 from .. import kernels
 from ..kernels import cpu_lut, ops
+from ..primitives import trellis
 from ..primitives.lloyd_max import DISTRIBUTIONS, Codebook, lloyd_max_codebook
 from ..primitives.packing import pack_bits, unpack_bits
 from ..primitives.qjl import qjl_matrix
@@ -63,6 +64,11 @@ class TurboQuantConfig:
         shared component (272 of a 277 norm in layer 0) and quantization error scales with the
         whole norm, swamping the token-to-token variation that attention reads. The mean costs
         one q·μ per query and μ·Σp per output: exact in the compressed domain.
+    trellis: L, the state bits of a bitshift trellis-coded quantizer (`primitives.trellis`) in place of the scalar
+        Lloyd-Max codes (0, the default): each head's rotated coordinates become one Viterbi-searched bit string,
+        0.54-0.68x the scalar error at `bits` + (L - bits)/d bits per value, or at `bits` with the tail-biting path a
+        cache stores (docs/codecs.md). No fused kernel reads it
+        yet: attention runs the torch paths, and encoding is a Viterbi search (exploratory).
     channel_scale: α in [0, 1]; divide each channel by RMS^α of its fitted values (tied across
         RoPE pairs i, i + d/2, which RoPE mixes) before rotating; 0 disables. A rotation makes the error isotropic, so without it
         Qwen2's few huge key channels push error into the small channels attention also reads;
@@ -78,6 +84,7 @@ class TurboQuantConfig:
     center: bool = False
     channel_scale: float = 0.0
     rope_center: bool = False
+    trellis: int = 0
 
     def __post_init__(self):
         if self.bits not in (1, 2, 3, 4):
@@ -94,6 +101,10 @@ class TurboQuantConfig:
             raise ValueError(f"rope_center must be True or False, got {self.rope_center!r}")
         if self.rope_center and not self.center:
             raise ValueError("rope_center centers keys on their un-RoPEd mean: it needs center=True")
+        k = self.mse_bits
+        if self.trellis and (self.qjl or self.trellis % k or not k < self.trellis <= 12):
+            raise ValueError(f"trellis (state bits L of a trellis-coded quantizer; 0: scalar codes) must be a multiple of the "
+                             f"{k} code bits in {k + k}..12, without qjl, got {self.trellis!r}")
 
     @property
     def mse_bits(self) -> int:
@@ -225,6 +236,9 @@ class TurboQuantCodec(UnRopedKeys, Codec):
         shape = (*packed.codes.shape[:3], self.head_dim)
         if self.codebook is None:
             return packed.codes.new_zeros(shape, dtype=torch.float32)
+        if self._trellis_book is not None:  # symbols -> states by windows -> table; the table is for sqrt(d)-scaled coordinates
+            symbols = unpack_bits(packed.codes, self.mse_bits, self._trellis_symbols)
+            return trellis.decode_symbols(symbols, self._trellis_book, self.mse_bits) / math.sqrt(self.head_dim)
         if 8 % self.mse_bits:
             return self._lookup(unpack_bits(packed.codes, self.mse_bits, self.head_dim))
         # Whole bytes: one embedding row of 8/bits centroids per byte (2-2.7x faster than unpack + lookup).
@@ -232,10 +246,22 @@ class TurboQuantCodec(UnRopedKeys, Codec):
         byte_table = self._lookup(unpack_bits(torch.arange(256, dtype=torch.uint8, device=packed.codes.device)[:, None], self.mse_bits, per))
         return torch.nn.functional.embedding(packed.codes.long(), byte_table).flatten(-2)[..., : self.head_dim]
 
+    @property
+    def _trellis_book(self) -> torch.Tensor | None:
+        """The trellis codebook `(2**L,)` for N(0, 1) coordinates, or None for scalar codes: one table per (k, L) shared
+        by every codec of the process (`trellis.gaussian_codebook`), like the Lloyd-Max tables, so not held (or counted)
+        per codec."""
+        return trellis.gaussian_codebook(self.mse_bits, self.config.trellis) if self.config.trellis else None
+
+    @property
+    def _trellis_symbols(self) -> int:
+        """k-bit symbols per token of a trellis codec: d (a tail-biting path: the scalar code's size)."""
+        return self.head_dim
+
     def _use_kernels(self, packed: TurboQuantPacked, rows: int) -> bool:
         """The fused kernel for decode-sized row counts; many rows (prompt chunks) amortize one
         unpack over a matmul better than a lookup table per row."""
-        return self.codebook is not None and rows <= kernels.MAX_KERNEL_ROWS and packed.codes.device.type == "cpu" and kernels.available()
+        return self.codebook is not None and self._trellis_book is None and rows <= kernels.MAX_KERNEL_ROWS and packed.codes.device.type == "cpu" and kernels.available()
 
     def _signs(self, packed: TurboQuantPacked) -> torch.Tensor:
         return unpack_bits(packed.signs, 1, self.head_dim).float() * 2 - 1
@@ -327,6 +353,9 @@ class TurboQuantCodec(UnRopedKeys, Codec):
         if self.codebook is None:
             codes = torch.empty(*x.shape[:3], 0, dtype=torch.uint8, device=x.device)
             y_hat = torch.zeros_like(y)
+        elif self._trellis_book is not None:
+            symbols = trellis.encode_symbols(y * math.sqrt(self.head_dim), self._trellis_book.to(y.device), self.mse_bits)
+            return TurboQuantPacked(x.shape[2], norm16, pack_bits(symbols, self.mse_bits))
         elif not self.config.qjl and y.device.type == "cpu" and kernels.available():
             # Bucketize + pack in one pass (the reconstruction y_hat only feeds the QJL residual).
             return TurboQuantPacked(x.shape[2], norm16, kernels.cpu_lut.quantize_pack(y, self.codebook.boundaries, self.mse_bits))
@@ -346,7 +375,7 @@ class TurboQuantCodec(UnRopedKeys, Codec):
         randomized Hadamard encodes through the `kvpack::tq_encode` op: on CUDA one Triton kernel centers, scales,
         rotates, searches the codebook and packs, where the torch ops below take a dozen launches and float copies
         of the block (a batch-32 block flush was the GPU's p99 step, docs/gpu.md). None where it does not apply."""
-        if self.config.qjl or self.codebook is None:
+        if self.config.qjl or self.codebook is None or self._trellis_book is not None:
             return None
         if x.device.type == "cpu" and ops.get_backend() is not ops.Backend.TRITON:
             return None
@@ -411,7 +440,7 @@ class TurboQuantCodec(UnRopedKeys, Codec):
     @property
     def kernel_kind(self) -> str | None:
         """"tq" when a fused kernel can read this codec's blocks (MSE codes only), else None."""
-        return "tq" if self.codebook is not None and not self.config.qjl else None
+        return "tq" if self.codebook is not None and not self.config.qjl and self._trellis_book is None else None
 
     def _signs_times_scale(self, device: torch.device) -> torch.Tensor:
         """`(kv, d)` Hadamard signs times the channel scale σ (or the signs alone): the pre-factor of the query's map and

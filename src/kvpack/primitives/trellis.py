@@ -14,6 +14,8 @@ k = 2: 2.09 bits per value). Stateless functions; tensors `(..., n)` of coordina
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
@@ -28,17 +30,22 @@ def _check(codebook: torch.Tensor, k: int) -> int:
     return state_bits
 
 
-def viterbi(x: torch.Tensor, codebook: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def viterbi(x: torch.Tensor, codebook: torch.Tensor, k: int, wrap: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The least-squared-error state path through the bitshift trellis.
 
     x: `(N, n)` float; codebook `(2**L,)`; k bits per coordinate. Returns (states `(N, n)` int64, each in
     [0, 2**L) with `states[:, i + 1] >> k == states[:, i] & (2**(L-k) - 1)`, and the squared error `(N,)` float64 of
-    `codebook[states]` against x). Memory: `(N, n, 2**(L-k))` uint8/int16 back-pointers."""
+    `codebook[states]` against x). `wrap (N,)`: the paths must start in a state whose high L - k bits are `wrap` and
+    end in one whose low L - k bits are (a tail-biting path: its bit string read as a circle, n·k bits in all).
+    Memory: `(N, n, 2**(L-k))` uint8/int16 back-pointers."""
     state_bits = _check(codebook, k)
     tail = 1 << (state_bits - k)
     book = codebook.double()
     x = x.double()
-    cost = (x[:, :1] - book) ** 2  # (N, S): every first state is free
+    cost = (x[:, :1] - book) ** 2  # (N, S): every first state is free, or those that continue `wrap`
+    ids = torch.arange(1 << state_bits, device=x.device)
+    if wrap is not None:
+        cost = cost.masked_fill((ids >> k)[None] != wrap[:, None], float("inf"))
     back = []
     for i in range(1, x.shape[1]):
         # State s is entered from the 2^k states p with p & (tail - 1) == s >> k: fold the high k bits of p away.
@@ -46,6 +53,8 @@ def viterbi(x: torch.Tensor, codebook: torch.Tensor, k: int) -> tuple[torch.Tens
         best, arg = folded.min(dim=1)  # (N, tail): best predecessor per low part lo
         back.append(arg.to(torch.uint8 if k <= 8 else torch.int16))
         cost = best.repeat_interleave(1 << k, dim=1) + (x[:, i : i + 1] - book) ** 2  # s = lo << k | new
+    if wrap is not None:
+        cost = cost.masked_fill((ids & (tail - 1))[None] != wrap[:, None], float("inf"))
     err, last = cost.min(dim=1)
     states = torch.empty(x.shape, dtype=torch.int64, device=x.device)
     states[:, -1] = last
@@ -96,3 +105,44 @@ def train_codebook(x: torch.Tensor, k: int, state_bits: int, iters: int = 6, see
 def bits_per_value(n: int, k: int, state_bits: int) -> float:
     """Stored bits per coordinate of a length-n sequence: `(L + (n-1)·k) / n`."""
     return (state_bits + (n - 1) * k) / n
+
+
+# -- codes as a cache stores them: k-bit symbols, the state a window of L/k of them ---------------------------------------
+def _symbols(k: int, state_bits: int) -> int:
+    if state_bits % k:
+        raise ValueError(f"a stored trellis needs L a multiple of k (whole k-bit symbols per state), got L={state_bits}, k={k}")
+    return state_bits // k
+
+
+@functools.lru_cache(maxsize=16)
+def gaussian_codebook(k: int, state_bits: int) -> torch.Tensor:
+    """The `(2**L,)` codebook for N(0, 1) coordinates at k bits per coordinate, fitted once (fixed seed and training
+    sequences, so every process builds the same table; 2-6 s) and shared, as a Lloyd-Max table is."""
+    return train_codebook(torch.randn(2048, 64, generator=torch.Generator().manual_seed(1)), k, state_bits)
+
+
+def encode_symbols(y: torch.Tensor, codebook: torch.Tensor, k: int) -> torch.Tensor:
+    """Coordinates `(..., n)` -> `(..., n)` uint8 k-bit symbols of a tail-biting path: n·k bits, the scalar code's
+    size. State i is the window of L/k symbols ending at symbol i, read around the circle (state 0's high bits are
+    the last symbols). Two Viterbi passes (QTIP's tail-biting approximation): a free one over the sequence rotated by
+    n/2, so the wrap-around point sits mid-path where the search has context on both sides, reads the bits the path
+    holds there; the second, over the sequence itself, is held to them at both ends."""
+    state_bits = _check(codebook, k)
+    _symbols(k, state_bits)
+    flat = y.reshape(-1, y.shape[-1])
+    half = flat.shape[1] // 2
+    free, _ = viterbi(flat.roll(-half, dims=1), codebook, k)  # position j holds coordinate (j + half) mod n
+    wrap = free[:, flat.shape[1] - half - 1] & ((1 << (state_bits - k)) - 1)  # the state of coordinate n - 1
+    states, _ = viterbi(flat, codebook, k, wrap=wrap)
+    return (states & ((1 << k) - 1)).to(torch.uint8).view(y.shape)
+
+
+def decode_symbols(symbols: torch.Tensor, codebook: torch.Tensor, k: int) -> torch.Tensor:
+    """`(..., n)` symbols of a tail-biting path -> coordinates `(..., n)` float32: each state read from its window
+    (wrapping around), looked up."""
+    state_bits = _check(codebook, k)
+    per = _symbols(k, state_bits)
+    circle = torch.cat([symbols[..., symbols.shape[-1] - (per - 1) :], symbols], dim=-1)
+    windows = circle.long().unfold(-1, per, 1)  # (..., n, per)
+    states = (windows << (k * torch.arange(per - 1, -1, -1, device=symbols.device))).sum(-1)
+    return codebook.to(symbols.device).float()[states]
