@@ -237,15 +237,17 @@ def trellis_rows(vectors: int, dims: tuple[int, ...] = (64, 128), train: int = 2
             rec = trellis.decode(trellis.to_bits(states, k, state_bits), book, k) / math.sqrt(d)
             bits = trellis.bits_per_value(d, k, state_bits)
             mse = (rec - unit).pow(2).sum(-1).mean().item()
-            # The tail-biting path a cache stores (TurboQuantConfig.trellis): exactly k bits per value.
-            circle = trellis.decode_symbols(trellis.encode_symbols(unit * math.sqrt(d), book, k), book, k) / math.sqrt(d)
-            mse_tb = (circle - unit).pow(2).sum(-1).mean().item()
+            # The tail-biting path a cache stores (TurboQuantConfig.trellis): exactly k bits per value (L a multiple of k).
+            mse_tb = math.nan
+            if state_bits % k == 0:
+                circle = trellis.decode_symbols(trellis.encode_symbols(unit * math.sqrt(d), book, k), book, k) / math.sqrt(d)
+                mse_tb = (circle - unit).pow(2).sum(-1).mean().item()
             lloyd = expected_mse(d, k)
             rows.append({"codec": f"trellis k={k} L={state_bits}", "head_dim": d, "bits_per_value": bits, "mse_sphere": mse,
                          "lloyd_max_mse_at_k_bits": lloyd, "vs_lloyd_max": mse / lloyd, "shannon_bound_at_bits": 4.0**-bits,
                          "vs_shannon": mse / 4.0**-bits, "encode_vec_per_s": vectors / seconds, "vectors": vectors,
-                         "tail_biting_bits_per_value": k, "tail_biting_mse_sphere": mse_tb, "tail_biting_vs_lloyd_max": mse_tb / lloyd,
-                         "tail_biting_vs_shannon": mse_tb / 4.0**-k})
+                         "tail_biting_bits_per_value": k, "tail_biting_mse_sphere": None if math.isnan(mse_tb) else mse_tb, "tail_biting_vs_lloyd_max": None if math.isnan(mse_tb) else mse_tb / lloyd,
+                         "tail_biting_vs_shannon": None if math.isnan(mse_tb) else mse_tb / 4.0**-k})
             print(f"  trellis k={k} L={state_bits} d={d}: {bits:.3f} bits/value, MSE {mse:.4f} (Lloyd-Max at {k} bits {lloyd:.4f}, "
                   f"{mse / lloyd:.2f}x; Shannon bound {4.0**-bits:.4f}, {mse / 4.0**-bits:.2f}x); tail-biting at {k} bits {mse_tb:.4f} "
                   f"({mse_tb / lloyd:.2f}x Lloyd-Max, {mse_tb / 4.0**-k:.2f}x the bound)", flush=True)
