@@ -8,8 +8,9 @@
 # decode-cuda-b{1,32}.json. RANDOM_WEIGHTS=1 builds MODEL (then a directory holding its config.json) with random
 # weights: decode speed only, for a machine without the weights (fixed-width codecs cost the same on any weights).
 # STAGES picks stages (default "tests attention profile decode"; "candidates" times the default against
-# `+ropemean` and a `heads` method, keys with a pre-RoPE bias, to attention-cuda-candidates-d{64,128}.json); each has its own time limit (T_TESTS, T_ATTN,
-# T_ATTN_SHARD, T_PROFILE, T_DECODE seconds); a failing stage does not stop the rest. profile.json: scripts/gpu_profile.py.
+# `+ropemean` and a `heads` method, keys with a pre-RoPE bias, to attention-cuda-candidates-d{64,128}.json; "tcq" times the
+# default against its `+tcq` form, to attention-cuda-tcq.json); each has its own time limit (T_TESTS, T_ATTN,
+# T_ATTN_SHARD, T_TCQ, T_PROFILE, T_DECODE seconds); a failing stage does not stop the rest. profile.json: scripts/gpu_profile.py.
 set -u
 OUT=${OUT:-bench/results/gpu}
 MODEL=${1:-qwen2.5-0.5b}
@@ -47,6 +48,11 @@ if want candidates; then
     stage "${T_ATTN:-90}" "${attn[@]}" --shapes d128-gqa4 --batch 1 32 --key-bias 1.0 --out "$OUT/attention-cuda-candidates-d128.json" \
         --methods "$default" "${default/k3v2/k3v2+ropemean}" "$OUT/heads-8.json"
 fi
+
+# Trellis-coded codes (`+tcq`) against the default they extend: the kernel reads each channel's window of bits.
+# Their encode runs as batched torch Viterbi on the GPU (set-up, not timed), so this stage has a longer limit.
+want tcq && stage "${T_TCQ:-300}" "${attn[@]}" --batch 1 32 --key-bias 1.0 --out "$OUT/attention-cuda-tcq.json" \
+    --methods "${default/k3v2/k3v2+ropemean}" "${default/k3v2/k3v2+ropemean+tcq}"
 
 config=$MODEL
 want profile && [ "${RANDOM_WEIGHTS:-0}" != 1 ] && config=$(python3 -c "from kvpack.models import MODELS, gguf_path, _converted_dir; import sys; m = sys.argv[1]; print(_converted_dir(MODELS[m].name, gguf_path(MODELS[m])) if m in MODELS else m)" "$MODEL")

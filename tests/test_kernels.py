@@ -260,6 +260,45 @@ def test_tq_attention_matches_reference_on_capacity_views(k_bits, v_bits, b, h, 
         assert (a - e).abs().max() <= 1e-5 * (1 + e.abs().max())
 
 
+TRELLIS_CASES = [  # (key bits, key state bits L; L == bits: scalar codes), (value bits, L), b, h, r, d, t
+    ((3, 9), (2, 8), 1, 3, 3, 64, 1100),  # +tcq's pair: splits and a part tile
+    ((3, 9), (3, 3), 2, 2, 7, 80, 217),  # trellis keys, scalar values
+    ((2, 2), (2, 8), 1, 2, 16, 96, 513),  # scalar keys, trellis values
+    ((1, 5), (4, 12), 2, 1, 1, 36, 40),  # 36 channels: a group of four past the last whole eight
+]
+
+
+@pytest.mark.parametrize("kspec,vspec,b,h,r,d,t", TRELLIS_CASES)
+def test_tq_attention_on_trellis_codes_matches_reference(kspec, vspec, b, h, r, d, t):
+    """Trellis codes (a `(2**L,)` table indexed by each coordinate's window of the packed bits) through the C++ kernel's
+    decoded-rows path, against `reference.code_values` lookups: token-narrowed views, row offsets, skipped anchors and
+    turning means included."""
+    gen = torch.Generator().manual_seed(t + d)
+    cap = t + 11
+
+    def packed(bits, state_bits):
+        codes = pack_bits(torch.randint(0, 2**bits, (b, h, cap, d), generator=gen), bits)[:, :, :t]
+        return codes, (torch.rand(b, h, cap, 1, generator=gen) + 0.5).half()[:, :, :t], torch.randn(2**state_bits, generator=gen) * d**-0.5
+
+    (kc, kn, kt), (vc, vn, vt) = packed(*kspec), packed(*vspec)
+    args = (torch.randn(b, h, r, d, generator=gen), torch.randn(b, h, r, 1, generator=gen), kc, kn, kt, kspec[0], vc, vn, vt, vspec[0], 0.125)
+    skip = torch.tensor([0, t // 3, t - 1]).unique()
+    turning = _turning(b, h, r, d, min(4, d // 2), gen) if d % 2 == 0 else None
+    out = _normalized(cpu_lut.tq_attention(*args, skip=skip, turning=turning))
+    s = cpu_lut.lut_scores_reference(args[0], kc, kn, kt, kspec[0]) + args[1] + cpu_lut.turning_scores_reference(turning, t)
+    s[..., skip] = float("-inf")
+    ref = _normalized(cpu_lut.partial_reference(s * 0.125, cpu_lut.lut_centroids_reference(vc, vt, vspec[0], d) * vn.float()))
+    for a, e in zip(out, ref, strict=True):
+        assert (a - e).abs().max() <= 2e-5 * (1 + e.abs().max())
+
+
+def test_tq_attention_names_a_bad_trellis_table():
+    codes = pack_bits(torch.zeros(1, 1, 8, 64, dtype=torch.long), 3)
+    norm = torch.ones(1, 1, 8, 1, dtype=torch.float16)
+    with pytest.raises(ValueError, match="2\\*\\*L for trellis codes with L a multiple of 3"):
+        cpu_lut.tq_attention(torch.randn(1, 1, 3, 64), None, codes, norm, torch.zeros(256), 3, codes, norm, torch.zeros(512), 3, 1.0)
+
+
 @pytest.mark.parametrize("dtype", [torch.int8, torch.float16, torch.float32])
 @pytest.mark.parametrize("b,h,r,d,t", [(1, 3, 3, 64, 1100), (2, 2, 7, 80, 217), (3, 1, 16, 256, 40)])
 def test_dense_attention_matches_reference(dtype, b, h, r, d, t):

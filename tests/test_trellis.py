@@ -88,7 +88,7 @@ def test_turboquant_with_a_trellis_stores_less_error_and_attends_on_its_codes():
     ps, pt = scalar.encode(x), coded.encode(x)
     err = {name: (c.decode(p) - x).pow(2).sum().item() for name, c, p in (("scalar", scalar, ps), ("trellis", coded, pt))}
     assert err["trellis"] < 0.8 * err["scalar"], err
-    assert coded.nbytes(pt) == scalar.nbytes(ps) and coded.kernel_kind is None  # tail-biting: the scalar code's bytes
+    assert coded.nbytes(pt) == scalar.nbytes(ps)  # tail-biting: the scalar code's bytes
     assert coded.state_nbytes() == scalar.state_nbytes()  # the shared table is not the codec's, as Lloyd-Max's is not
     q = torch.randn(1, 6, 2, 64)
     k = coded.decode(pt).repeat_interleave(3, 1)
@@ -107,3 +107,49 @@ def test_trellis_widths_are_validated(options):
 
     with pytest.raises(ValueError, match="trellis \\(state bits L"):
         CodecSpec("turboquant", options)
+
+
+# -- the kernels' form: raw windows of the packed string, the C++ encoder ------------------------------------------------
+@pytest.mark.parametrize("k,state_bits,n", [(3, 9, 64), (2, 8, 80), (1, 5, 36), (4, 12, 24)])
+def test_window_table_reads_the_same_values_as_the_states(k, state_bits, n):
+    """`reference.code_values` (a table indexed by each coordinate's raw window of the packed bytes, oldest symbol
+    lowest) against `decode_symbols` (states assembled oldest-highest, the state codebook): two independent readings of
+    the same stored codes."""
+    from kvpack.kernels.reference import code_values
+    from kvpack.primitives.packing import pack_bits
+
+    gen = torch.Generator().manual_seed(k * n)
+    book = torch.randn(1 << state_bits, generator=gen)
+    symbols = torch.randint(0, 1 << k, (3, 5, n), generator=gen, dtype=torch.uint8)
+    want = trellis.decode_symbols(symbols, book, k)
+    assert torch.equal(code_values(pack_bits(symbols, k), trellis.window_table(book, k), k, n), want)
+
+
+@pytest.mark.parametrize("k,state_bits,n", [(3, 9, 64), (2, 8, 64), (2, 8, 80), (3, 6, 36), (1, 4, 24)])
+def test_cpp_encoder_finds_the_torch_search_paths(k, state_bits, n):
+    """`cpu_lut.trellis_encode` (float32 costs, C++) against `trellis.encode_symbols` (float64, torch): the same symbols
+    wherever the two searches' path errors are not within float32 rounding of a tie, and never a worse path by more
+    than that rounding. Gaussian rows and heavy-tailed ones (the rotated unit vectors of real keys are near Gaussian;
+    the tails test the costs' range)."""
+    from kvpack.kernels import cpu_lut
+
+    if not cpu_lut.available():
+        pytest.skip(cpu_lut.unavailable_reason())
+    gen = torch.Generator().manual_seed(n + k)
+    book = trellis.train_codebook(torch.randn(256, n, generator=gen), k, state_bits, iters=2)
+    y = torch.cat([torch.randn(300, n, generator=gen), torch.distributions.StudentT(3.0).sample((100, n)) ])
+    fast, slow = cpu_lut.trellis_encode(y, book, k), trellis.encode_symbols(y, book, k)
+    err_fast = (trellis.decode_symbols(fast, book, k) - y).pow(2).sum(-1).double()
+    err_slow = (trellis.decode_symbols(slow, book, k) - y).pow(2).sum(-1).double()
+    assert fast.dtype == torch.uint8 and fast.shape == y.shape
+    assert (err_fast <= err_slow * (1 + 1e-5) + 1e-6).all()
+    assert (fast == slow).all(-1).float().mean() > 0.98
+
+
+def test_cpp_encoder_refuses_bad_tables():
+    from kvpack.kernels import cpu_lut
+
+    if not cpu_lut.available():
+        pytest.skip(cpu_lut.unavailable_reason())
+    with pytest.raises(ValueError, match="multiple of k"):
+        cpu_lut.trellis_encode(torch.zeros(2, 8), torch.zeros(256), 3)

@@ -95,6 +95,26 @@ def test_tq_attention(d, group, q_len, k_bits, v_bits, splits):
     assert_within_low_precision("tq_attention", on_device(run_triton, "tq_attention", **args, num_splits=splits), args)
 
 
+TRELLIS_CASES = [  # head_dim, GQA group, query tokens, (key bits, L), (value bits, L), splits; L == bits: scalar codes
+    (64, 3, 1, (3, 9), (2, 8), 2),  # +tcq's pair
+    (128, 4, 5, (3, 9), (3, 3), 1),  # trellis keys, scalar values, a causal mask
+    (80, 7, 1, (2, 2), (2, 8), 3),  # scalar keys, trellis values
+]
+
+
+@in_process
+@pytest.mark.parametrize("d,group,q_len,kspec,vspec,splits", TRELLIS_CASES, ids=[f"d{c[0]}-k{c[3]}-v{c[4]}" for c in TRELLIS_CASES])
+def test_tq_attention_on_trellis_codes(d, group, q_len, kspec, vspec, splits):
+    """Trellis codes (`(2**L,)` tables read at each channel's window of the packed bits, `reference.code_values`)
+    within the float16 criterion, with turning means on the first case."""
+    gen = torch.Generator().manual_seed(d)
+    args = tq_inputs(d, group * q_len, kspec[0], vspec[0]) | {"bias": make_bias(B, q_len, T)}
+    args |= {"k_centroids": torch.randn(2 ** kspec[1], generator=gen) * d**-0.5, "v_centroids": torch.randn(2 ** vspec[1], generator=gen) * d**-0.5}
+    if d == 64:
+        args |= turning_inputs(d, group * q_len, 5)
+    assert_within_low_precision("tq_attention", on_device(run_triton, "tq_attention", **args, num_splits=splits), args)
+
+
 @triton.jit
 def _codes_kernel(src, out, T, C: tl.constexpr, BITS: tl.constexpr, NBYTES: tl.constexpr,
                   BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, GROUPED: tl.constexpr):

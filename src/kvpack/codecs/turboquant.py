@@ -17,6 +17,7 @@ sums stay in the rotated space: one query rotation per call, one inverse rotatio
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -354,7 +355,7 @@ class TurboQuantCodec(UnRopedKeys, Codec):
             codes = torch.empty(*x.shape[:3], 0, dtype=torch.uint8, device=x.device)
             y_hat = torch.zeros_like(y)
         elif self._trellis_book is not None:
-            symbols = trellis.encode_symbols(y * math.sqrt(self.head_dim), self._trellis_book.to(y.device), self.mse_bits)
+            symbols = kernels.cpu_lut.trellis_encode(y * math.sqrt(self.head_dim), self._trellis_book.to(y.device), self.mse_bits)
             return TurboQuantPacked(x.shape[2], norm16, pack_bits(symbols, self.mse_bits))
         elif not self.config.qjl and y.device.type == "cpu" and kernels.available():
             # Bucketize + pack in one pass (the reconstruction y_hat only feeds the QJL residual).
@@ -440,7 +441,14 @@ class TurboQuantCodec(UnRopedKeys, Codec):
     @property
     def kernel_kind(self) -> str | None:
         """"tq" when a fused kernel can read this codec's blocks (MSE codes only), else None."""
-        return "tq" if self.codebook is not None and not self.config.qjl and self._trellis_book is None else None
+        return "tq" if self.codebook is not None and not self.config.qjl else None
+
+    def kernel_table(self, device: torch.device) -> torch.Tensor:
+        """The table a fused kernel looks codes up in, on `device`: the `(2**bits,)` unit centroids, or for trellis codes
+        the `(2**L,)` table indexed by each coordinate's raw window of bits (`trellis.window_table`, unit scale)."""
+        if self._trellis_book is None:
+            return self._on("centroids", self.codebook.centroids, device)
+        return self._on("window_table", _unit_window_table(self.mse_bits, self.config.trellis, self.head_dim), device)
 
     def _signs_times_scale(self, device: torch.device) -> torch.Tensor:
         """`(kv, d)` Hadamard signs times the channel scale σ (or the signs alone): the pre-factor of the query's map and
@@ -548,3 +556,10 @@ class TurboQuantCodec(UnRopedKeys, Codec):
         if self.mean is not None:  # Σ p·μ = μ·Σp (probs are unnormalized partials)
             out = out + p.sum(-1, keepdim=True) * self._mean(out.device)
         return ungroup(out, probs.shape[1])
+
+
+@functools.lru_cache(maxsize=16)
+def _unit_window_table(bits: int, state_bits: int, head_dim: int) -> torch.Tensor:
+    """`trellis.window_table` of the shared Gaussian codebook at unit scale (the codebook is for sqrt(d)-scaled
+    coordinates): one per (bits, L, d) in a process, like the codebook itself."""
+    return trellis.window_table(trellis.gaussian_codebook(bits, state_bits), bits) / math.sqrt(head_dim)

@@ -28,6 +28,7 @@ from types import ModuleType
 
 import torch
 
+from ..primitives import trellis
 from ..primitives.kmeans import assign
 from ..primitives.kmeans import d2_picks as kmeans_d2_picks
 from ..primitives.packing import pack_bits, packed_length, unpack_bits
@@ -232,8 +233,8 @@ def tq_attention(q_rot, row_offset, k_codes, k_norm, k_cent, k_bits: int, v_code
     k_norm = _check_rows("k_norm", k_norm, torch.float16, (b, h, t, 1))
     v_codes = _check_rows("v_codes", v_codes, torch.uint8, (b, h, t, packed_length(d, v_bits)))
     v_norm = _check_rows("v_norm", v_norm, torch.float16, (b, h, t, 1))
-    k_cent = _check("k_cent", k_cent, torch.float32, (2**k_bits,))
-    v_cent = _check("v_cent", v_cent, torch.float32, (2**v_bits,))
+    reference._check_table("k_cent", k_cent, k_bits, k_cent.device)  # (2**bits,) centroids, or a (2**L,) trellis table
+    reference._check_table("v_cent", v_cent, v_bits, v_cent.device)
     if turning is not None:
         _check_turning(turning, (b, h, r, d))
     return tuple(_ext().tq_attention(q_rot, off, k_codes, k_norm, k_cent, k_bits, v_codes, v_norm, v_cent, v_bits, float(scale),
@@ -411,6 +412,26 @@ def quantize_pack_reference(y: torch.Tensor, boundaries: torch.Tensor, bits: int
     return pack_bits(torch.bucketize(y, boundaries).to(torch.uint8), bits)
 
 
+def trellis_encode(y: torch.Tensor, codebook: torch.Tensor, k: int) -> torch.Tensor:
+    """`trellis.encode_symbols` in C++: y (..., n) float -> (..., n) uint8 k-bit symbols of tail-biting paths through
+    the bitshift trellis of a `(2**L,)` state codebook (the same two Viterbi passes, float32 costs, rows in parallel).
+    Falls back to the torch reference off the CPU or without the kernels."""
+    if not (available() and y.device.type == "cpu"):
+        return trellis_encode_reference(y, codebook, k)
+    if not isinstance(y, torch.Tensor) or y.dim() < 1 or not y.dtype.is_floating_point:
+        raise ValueError(f"y must be a float tensor (..., n), got {getattr(y, 'dtype', type(y).__name__)}")
+    book = codebook.float().contiguous()
+    state_bits = book.numel().bit_length() - 1
+    if book.dim() != 1 or book.numel() != 1 << state_bits or k not in range(1, 5) or state_bits % k or not k < state_bits <= 12:
+        raise ValueError(f"codebook must be (2**L,) with L a multiple of k in (k, 12] and k in 1..4, got {tuple(book.shape)} and k={k!r}")
+    flat = y.float().reshape(-1, y.shape[-1])
+    return _ext().trellis_encode(flat, book, k).view(y.shape)
+
+
+def trellis_encode_reference(y: torch.Tensor, codebook: torch.Tensor, k: int) -> torch.Tensor:
+    return trellis.encode_symbols(y, codebook, k)
+
+
 def nearest_codeword(x: torch.Tensor, centroids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Nearest codeword of each point: x (G, N, D), centroids (G, K, D) f32 -> index (G, N) i64, squared distance
     (G, N) f32 (ties to the lowest index). k-means' assignment step and VQ's encode; falls back to the torch
@@ -545,8 +566,8 @@ def dense_attention_reference(q, k, k_scale, v, v_scale, scale):
     return partial_reference((q @ kf.mT) * scale, vf)
 
 def lut_centroids_reference(codes: torch.Tensor, centroids: torch.Tensor, bits: int, d: int) -> torch.Tensor:
-    """`(B, H, T, d)` float32 centroids read from packed codes."""
-    return centroids[unpack_bits(codes, bits, d).long()]
+    """`(B, H, T, d)` float32 centroids read from packed codes (or trellis windows, for a `(2**L,)` table)."""
+    return reference.code_values(codes, centroids, bits, d)
 
 
 def lut_scores_reference(q_rot, codes, norm, centroids, bits: int) -> torch.Tensor:

@@ -49,8 +49,8 @@ def segment_partial(q: torch.Tensor, seg, scale: float, first_position=None, ski
             turning = kc.kernel_turning(q, first_position)
         q_rot, offset = kc.kernel_query(q)
         m, denom, o = cpu_lut.tq_attention(
-            q_rot, offset, keys.codes, keys.norm, kc.codebook.centroids, kc.mse_bits,
-            values.codes, values.norm, vc.codebook.centroids, vc.mse_bits, scale, validate=VALIDATE, skip=skip, turning=turning,
+            q_rot, offset, keys.codes, keys.norm, kc.kernel_table(q.device), kc.mse_bits,
+            values.codes, values.norm, vc.kernel_table(q.device), vc.mse_bits, scale, validate=VALIDATE, skip=skip, turning=turning,
         )
         return m, denom, vc.kernel_output(o, denom)
     if kind == ("pca", "vq") and first_position is not None:
@@ -123,8 +123,7 @@ def ops_segment_partial(q: torch.Tensor, seg, scale: float, first_position=None)
                 return None
             turning = kc.ops_turning(q, first_position) or ()
         q_rot, offset = kc.kernel_query(q)
-        cent_k = kc._on("centroids", kc.codebook.centroids, q.device)
-        cent_v = vc._on("centroids", vc.codebook.centroids, q.device)
+        cent_k, cent_v = kc.kernel_table(q.device), vc.kernel_table(q.device)
         m, denom, o = ops.tq_attention(q_rot, keys.codes, keys.norm, cent_k, kc.mse_bits, values.codes, values.norm, cent_v,
                                        vc.mse_bits, q.shape[-1], scale, offset, None, 0.0, *turning)
         return m, denom, vc.kernel_output(o, denom)

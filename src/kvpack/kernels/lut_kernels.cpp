@@ -22,7 +22,7 @@
 #include <limits>
 #include <vector>
 
-#if defined(__AVX512F__) || defined(__F16C__)
+#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 #ifdef __SSE2__
@@ -596,10 +596,13 @@ inline void widen_row(const at::Half* src, float* dst, int n) {
   for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
-template <typename KT, typename VT>
-void dense_attention_impl(const float* q, const KT* k, int64_t k_bh, const at::Half* ks, int64_t ks_bh, const VT* v, int64_t v_bh,
-                          const at::Half* vs, int64_t vs_bh, int64_t BH, int R, int64_t T, int d, int dv, float scale, const Skip& skip,
-                          Partials& P) {
+// Attention over rows widened to float in L1, 4 tokens at a time: `kdec(bh, t, dst)` writes key t's d floats and
+// returns the factor its dot products take (a per-token scale or norm); `vdec` likewise for values (dv floats), the
+// factor multiplying its probability. `adjust(bh, t0, n, s)` adds terms to the raw scores of a split's n tokens before
+// they are scaled (a turning mean, a row offset), or does nothing.
+template <typename KDec, typename VDec, typename Adjust>
+void rows_attention_impl(const float* q, int64_t BH, int R, int64_t T, int d, int dv, float scale, const Skip& skip, Partials& P,
+                         const KDec& kdec, const VDec& vdec, const Adjust& adjust) {
   const int64_t splits = P.splits;
   for_items(BH * splits, BH * T * R, [&](const auto& next) {
     std::vector<float> s(static_cast<int64_t>(R) * kSplit);
@@ -608,29 +611,31 @@ void dense_attention_impl(const float* q, const KT* k, int64_t k_bh, const at::H
     for (int64_t i; (i = next()) >= 0;) {
       const int64_t bh = i / splits, sp = i % splits;
       const int64_t t0 = sp * kSplit, t1 = std::min(T, t0 + kSplit), n = t1 - t0;
-      const KT* kb = k + bh * k_bh;
       for (int64_t t = 0; t < n; t += 4) {
         const int c = static_cast<int>(std::min<int64_t>(4, n - t));
-        for (int j = 0; j < c; ++j) widen_row(kb + (t0 + t + j) * d, rows.data() + j * d, d);
+        float f[4];
+        for (int j = 0; j < c; ++j) f[j] = kdec(bh, t0 + t + j, rows.data() + j * d);
         for (int r = 0; r < R; ++r) {
           float dots[4];
           dot4(q + (bh * R + r) * d, kr, d, dots);
-          for (int j = 0; j < c; ++j) s[r * n + t + j] = dots[j] * scale * (ks ? static_cast<float>(ks[bh * ks_bh + t0 + t + j]) : 1.f);
+          for (int j = 0; j < c; ++j) s[r * n + t + j] = dots[j] * f[j];
         }
       }
+      adjust(bh, R, t0, n, s.data());
+      for (int64_t j = 0; j < R * n; ++j) s[j] *= scale;
       skip.apply(s.data(), n, R, t0, n);
       float* pm = P.m.data() + i * R;
       float* pl = P.l.data() + i * R;
       softmax_rows(s.data(), n, R, n, pm, pl);
       float* acc = P.o.data() + i * R * dv;
-      const VT* vb = v + bh * v_bh;
       for (int64_t t = 0; t < n; t += 4) {
         const int c = static_cast<int>(std::min<int64_t>(4, n - t));
-        for (int j = 0; j < c; ++j) widen_row(vb + (t0 + t + j) * dv, rows.data() + j * dv, dv);
+        float f[4] = {};
+        for (int j = 0; j < c; ++j) f[j] = vdec(bh, t0 + t + j, rows.data() + j * dv);
         for (int j = c; j < 4; ++j) std::memset(rows.data() + j * dv, 0, sizeof(float) * dv);
         for (int r = 0; r < R; ++r) {
           float w[4] = {};
-          for (int j = 0; j < c; ++j) w[j] = s[r * n + t + j] * (vs ? static_cast<float>(vs[bh * vs_bh + t0 + t + j]) : 1.f);
+          for (int j = 0; j < c; ++j) w[j] = s[r * n + t + j] * f[j];
           float* __restrict a = acc + r * dv;
           const float *r0 = rows.data(), *r1 = r0 + dv, *r2 = r1 + dv, *r3 = r2 + dv;
           for (int jj = 0; jj < dv; ++jj) a[jj] += w[0] * r0[jj] + w[1] * r1[jj] + w[2] * r2[jj] + w[3] * r3[jj];
@@ -640,6 +645,204 @@ void dense_attention_impl(const float* q, const KT* k, int64_t k_bh, const at::H
   });
 }
 
+template <typename KT, typename VT>
+void dense_attention_impl(const float* q, const KT* k, int64_t k_bh, const at::Half* ks, int64_t ks_bh, const VT* v, int64_t v_bh,
+                          const at::Half* vs, int64_t vs_bh, int64_t BH, int R, int64_t T, int d, int dv, float scale, const Skip& skip,
+                          Partials& P) {
+  auto kdec = [&](int64_t bh, int64_t t, float* dst) {
+    widen_row(k + bh * k_bh + t * d, dst, d);
+    return ks ? static_cast<float>(ks[bh * ks_bh + t]) : 1.f;
+  };
+  auto vdec = [&](int64_t bh, int64_t t, float* dst) {
+    widen_row(v + bh * v_bh + t * dv, dst, dv);
+    return vs ? static_cast<float>(vs[bh * vs_bh + t]) : 1.f;
+  };
+  rows_attention_impl(q, BH, R, T, d, dv, scale, skip, P, kdec, vdec, [](int64_t, int, int64_t, int64_t, float*) {});
+}
+
+// -- trellis-coded TurboQuant rows ----------------------------------------------------------------
+//
+// Codes of a tail-biting bitshift trellis (kvpack/primitives/trellis.py): k-bit symbols packed LSB-first like scalar
+// codes, coordinate i the table entry of the L-bit window of the row's circular bit string that starts at bit
+// k(i - L/k + 1) (reference.code_values). Eight coordinates' windows lie in one 64-bit word read at the first one's
+// start (the string's last bits ahead of bit 0 for the first group): one shift and mask each, and where the CPU has
+// AVX2 and the eight fit 32 bits (7k + L <= 32) a broadcast, a per-lane shift and one gather from the table.
+struct TrellisRows {
+  const float* table;  // (2**L,) indexed by the raw window
+  int k, L, d, nbytes;
+
+  // Bits [bit, bit + 56) of the row (bit >= 0), zeros past its end.
+  uint64_t bits_at(const uint8_t* row, int bit) const {
+    const int byte = bit >> 3;
+    uint64_t w = 0;
+    if (byte + 8 <= nbytes) std::memcpy(&w, row + byte, 8);
+    else for (int b = byte; b < nbytes; ++b) w |= static_cast<uint64_t>(row[b]) << (8 * (b - byte));
+    return w >> (bit & 7);
+  }
+  // The circular string's bits from `bit` (> -total) on: the row's last -bit bits first when bit < 0.
+  uint64_t circular_at(const uint8_t* row, int bit) const {
+    if (bit >= 0) return bits_at(row, bit);
+    const int back = -bit;
+    return (bits_at(row, d * k - back) & ((uint64_t{1} << back) - 1)) | (bits_at(row, 0) << back);
+  }
+  void operator()(const uint8_t* row, float* dst) const {
+    const uint32_t mask = (1u << L) - 1;
+    const int pre = L - k;
+    for (int i = 0; i < d; i += 8) {
+      const uint64_t w = circular_at(row, k * i - pre);
+      const int lanes = std::min(8, d - i);
+#ifdef __AVX2__
+      if (lanes == 8 && 7 * k + L <= 32) {
+        const __m256i shift = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(k));
+        const __m256i idx = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(w))), shift),
+                                             _mm256_set1_epi32(static_cast<int>(mask)));
+        _mm256_storeu_ps(dst + i, _mm256_i32gather_ps(table, idx, 4));
+        continue;
+      }
+#endif
+      for (int j = 0; j < lanes; ++j) dst[i + j] = table[(w >> (k * j)) & mask];
+    }
+  }
+};
+
+// Scalar TurboQuant codes widened the same way: dst[i] = centroids[code_i].
+struct ScalarRows {
+  const float* table;
+  int bits, d, nbytes;
+  void operator()(const uint8_t* row, float* dst) const {
+    const uint32_t mask = (1u << bits) - 1;
+    for (int i = 0; i < d; ++i) {
+      const int bit = bits * i, byte = bit >> 3;
+      uint32_t v = row[byte];
+      if (byte + 1 < nbytes) v |= static_cast<uint32_t>(row[byte + 1]) << 8;
+      dst[i] = table[(v >> (bit & 7)) & mask];
+    }
+  }
+};
+
+// A TurboQuant code row of either kind, chosen per segment.
+struct CodeRows {
+  bool trellis;
+  TrellisRows tr;
+  ScalarRows sc;
+  void operator()(const uint8_t* row, float* dst) const { trellis ? tr(row, dst) : sc(row, dst); }
+};
+
+CodeRows make_code_rows(const torch::Tensor& table, int bits, int d) {
+  const int64_t entries = table.numel();
+  const int L = entries > 1 ? 63 - __builtin_clzll(static_cast<uint64_t>(entries)) : 0;
+  const int nbytes = (d * bits + 7) / 8;
+  TORCH_CHECK(entries == (int64_t{1} << L) && L % bits == 0 && L >= bits && L <= 12,
+              "a TurboQuant table has 2**bits entries (scalar codes) or 2**L, L a multiple of bits up to 12 (trellis codes)");
+  const float* t = table.data_ptr<float>();
+  return {L > bits, TrellisRows{t, bits, L, d, nbytes}, ScalarRows{t, bits, d, nbytes}};
+}
+
+// tq_attention's form for segments with trellis codes on either side: rows decoded in L1 (rows_attention_impl).
+void tq_rows_attention(const float* q, const float* row_off, const uint8_t* kc, int64_t k_bh, const at::Half* kn, int64_t kn_bh,
+                       const CodeRows& krows, int kbytes, const uint8_t* vc, int64_t v_bh, const at::Half* vn, int64_t vn_bh,
+                       const CodeRows& vrows, int vbytes, int64_t BH, int R, int64_t T, int d, float scale, const Skip& skip,
+                       const Turning& tn, Partials& P) {
+  auto kdec = [&](int64_t bh, int64_t t, float* dst) {
+    krows(kc + bh * k_bh + t * kbytes, dst);
+    return static_cast<float>(kn[bh * kn_bh + t]);
+  };
+  auto vdec = [&](int64_t bh, int64_t t, float* dst) {
+    vrows(vc + bh * v_bh + t * vbytes, dst);
+    return static_cast<float>(vn[bh * vn_bh + t]);
+  };
+  auto adjust = [&](int64_t bh, int rows, int64_t t0, int64_t n, float* s) {
+    if (tn.M) add_turning_scores(tn, bh, rows, t0, n, s);
+    if (row_off)
+      for (int r = 0; r < rows; ++r)
+        for (int64_t t = 0; t < n; ++t) s[r * n + t] += row_off[bh * rows + r];
+  };
+  rows_attention_impl(q, BH, R, T, d, d, scale, skip, P, kdec, vdec, adjust);
+}
+
+// -- trellis encode: the tail-biting Viterbi search of trellis.encode_symbols, float32 costs -------------------------
+
+struct TrellisSearch {
+  const float* book;  // (2**L,) state codebook, state = symbols oldest-highest
+  int k, L, S, tail;
+  std::vector<float> cost, best, err;
+  std::vector<uint8_t> arg, back;
+  std::vector<int32_t> states;
+  TrellisSearch(const float* book_, int k_, int L_, int n)
+      : book(book_), k(k_), L(L_), S(1 << L_), tail(1 << (L_ - k_)), cost(S), best(tail), err(S), arg(tail),
+        back(static_cast<size_t>(n) * tail), states(n) {}
+
+  // Least-error state path of x[idx(0)], ..., x[idx(n-1)] into `states`; wrap >= 0 holds the first state's high and the
+  // last state's low L - k bits to it.
+  template <typename Idx>
+  void run(const float* x, int n, int wrap, const Idx& idx) {
+    const float inf = std::numeric_limits<float>::infinity();
+    const float x0 = x[idx(0)];
+    for (int s = 0; s < S; ++s) cost[s] = (wrap >= 0 && (s >> k) != wrap) ? inf : (x0 - book[s]) * (x0 - book[s]);
+    const int fan = 1 << k;
+    for (int i = 1; i < n; ++i) {
+      // The best predecessor of every low part lo: p = hi * tail + lo over the fan of high parts.
+      for (int lo = 0; lo < tail; ++lo) {
+        best[lo] = cost[lo];
+        arg[lo] = 0;
+      }
+      for (int hi = 1; hi < fan; ++hi) {
+        const float* c = cost.data() + hi * tail;
+        for (int lo = 0; lo < tail; ++lo) {
+          const bool less = c[lo] < best[lo];
+          best[lo] = less ? c[lo] : best[lo];
+          arg[lo] = less ? static_cast<uint8_t>(hi) : arg[lo];
+        }
+      }
+      std::memcpy(back.data() + static_cast<size_t>(i - 1) * tail, arg.data(), tail);
+      const float xi = x[idx(i)];
+      for (int s = 0; s < S; ++s) err[s] = (xi - book[s]) * (xi - book[s]);
+      for (int lo = 0; lo < tail; ++lo)
+        for (int nw = 0; nw < fan; ++nw) cost[lo * fan + nw] = best[lo] + err[lo * fan + nw];
+    }
+    int last = -1;
+    float low = inf;
+    for (int s = 0; s < S; ++s)
+      if ((wrap < 0 || (s & (tail - 1)) == wrap) && (last < 0 || cost[s] < low)) {
+        low = cost[s];
+        last = s;
+      }
+    states[n - 1] = last;
+    for (int i = n - 1; i > 0; --i) {
+      const int lo = states[i] >> k;
+      states[i - 1] = back[static_cast<size_t>(i - 1) * tail + lo] * tail + lo;
+    }
+  }
+};
+
+// symbols (N, n) u8 of tail-biting paths for y (N, n) f32 against a (2**L,) state codebook at k bits per coordinate.
+torch::Tensor trellis_encode(torch::Tensor y, torch::Tensor book, int64_t k) {
+  y = y.contiguous();
+  book = book.contiguous();
+  const int64_t S = book.numel();
+  const int L = S > 1 ? 63 - __builtin_clzll(static_cast<uint64_t>(S)) : 0;
+  TORCH_CHECK(y.scalar_type() == at::kFloat && book.scalar_type() == at::kFloat && y.dim() == 2, "trellis_encode takes y (N, n) and book f32");
+  TORCH_CHECK(S == (int64_t{1} << L) && k >= 1 && k <= 4 && L % k == 0 && L > k && L <= 12, "trellis_encode: book of 2**L entries, L a multiple of k in (k, 12]");
+  const int64_t N = y.size(0);
+  const int n = static_cast<int>(y.size(1));
+  auto out = torch::empty({N, n}, y.options().dtype(torch::kUInt8));
+  const float* src = y.data_ptr<float>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  const int kk = static_cast<int>(k), half = n / 2, sym = (1 << kk) - 1;
+  at::parallel_for(0, N, 16, [&](int64_t lo, int64_t hi) {
+    TrellisSearch search(book.data_ptr<float>(), kk, L, n);
+    for (int64_t r = lo; r < hi; ++r) {
+      const float* x = src + r * n;
+      // A free pass over the sequence rotated by n/2 (the wrap point mid-path) reads the bits there, then the pass
+      // over the sequence itself is held to them at both ends.
+      search.run(x, n, -1, [&](int j) { return (j + half) % n; });
+      const int wrap = search.states[n - half - 1] & (search.tail - 1);
+      search.run(x, n, wrap, [](int j) { return j; });
+      for (int j = 0; j < n; ++j) dst[r * n + j] = static_cast<uint8_t>(search.states[j] & sym);
+    }
+  });
+  return out;
+}
 
 // -- Shard: PCA-coefficient keys (RoPE undone) + VQ values --------------------------------------
 //
@@ -1132,6 +1335,15 @@ std::vector<torch::Tensor> tq_attention(torch::Tensor q, torch::Tensor row_offse
     const float* off = row_offset.numel() ? row_offset.data_ptr<float>() : nullptr;
     const int kb = static_cast<int>(k_bits), vb = static_cast<int>(v_bits);
     const Skip sk = make_skip(skip);
+    const CodeRows krows = make_code_rows(k_cent, kb, static_cast<int>(d)), vrows = make_code_rows(v_cent, vb, static_cast<int>(d));
+    if (krows.trellis || vrows.trellis) {
+      tq_rows_attention(q.data_ptr<float>(), off, k_codes.data_ptr<uint8_t>(), head_stride(k_codes, "k_codes"), k_norm.data_ptr<at::Half>(),
+                        head_stride(k_norm, "k_norm"), krows, KL.nbytes, v_codes.data_ptr<uint8_t>(), head_stride(v_codes, "v_codes"),
+                        v_norm.data_ptr<at::Half>(), head_stride(v_norm, "v_norm"), vrows, VL.nbytes, B * H, static_cast<int>(R), T,
+                        static_cast<int>(d), static_cast<float>(scale), sk, tn, P);
+      P.merge(out[0].data_ptr<float>(), out[1].data_ptr<float>(), out[2].data_ptr<float>());
+      return out;
+    }
 #define KVP_TQ(PAIR3, W) tq_attention_vbits<PAIR3, W>(vb, q.data_ptr<float>(), off, k_codes.data_ptr<uint8_t>(), head_stride(k_codes, "k_codes"), \
       k_norm.data_ptr<at::Half>(), head_stride(k_norm, "k_norm"), k_cent.data_ptr<float>(), KL, v_codes.data_ptr<uint8_t>(), \
       head_stride(v_codes, "v_codes"), v_norm.data_ptr<at::Half>(), head_stride(v_norm, "v_norm"), v_cent.data_ptr<float>(), VL, B * H, \
@@ -1503,5 +1715,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fwht_rows", &fwht_rows, "FWHT(x * pre[h]) * post[h] (+ s * bias[h]) per row, on the calling thread (a few decode rows)");
   m.def("nearest_codeword", &nearest_codeword, "index and squared distance of each point's nearest codeword, (G, N, D) vs (G, K, D)");
   m.def("d2_picks", &d2_picks, "k-means++ seed indices from pre-drawn uniforms, (G, N, D) points");
+  m.def("trellis_encode", &trellis_encode, "symbols of tail-biting bitshift-trellis paths (two Viterbi passes), float32 costs");
   m.def("dense_attention", &dense_attention, "online-softmax partial (m, l, o) over int8 (scaled), fp16 or fp32 K/V");
 }

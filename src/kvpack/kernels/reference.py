@@ -33,12 +33,14 @@ import torch
 from ..primitives.affine import quantize_affine
 from ..primitives.packing import pack_bits, packed_length, unpack_bits
 from ..primitives.rope import apply_rope, rope_cos_sin
+from ..primitives import trellis
 from ..primitives.rotation import is_power_of_two, randomized_hadamard
 
 # Tokens per step of the references. Bounds temporaries to B·H·TOKEN_CHUNK·max(d, R) floats; 512 keeps
 # each step a matmul large enough that the Python loop costs little.
 TOKEN_CHUNK = 512
 TQ_BITS = (1, 2, 3, 4)
+TRELLIS_MAX_BITS = 12  # the widest trellis state a TurboQuant table may index (a 16 KiB table)
 KIVI_BITS = (2, 4)
 KIVI_AXES = ("channel", "token")
 VQ_BITS = tuple(range(1, 9))  # VQ index widths: codebooks of 2..256 entries
@@ -131,13 +133,36 @@ def check_tq_attention(q_rot, k_codes, k_norm, k_centroids, k_bits, v_codes, v_n
     _expect("k_codes", k_codes, (torch.uint8,), (b, h, None, packed_length(dk, k_bits)), dev)
     t = k_codes.shape[2]
     _expect("k_norm", k_norm, (torch.float16,), (b, h, t, 1), dev)
-    _expect("k_centroids", k_centroids, (torch.float32,), (2**k_bits,), dev)
+    _check_table("k_centroids", k_centroids, k_bits, dev)
     if not isinstance(d, int) or d < 1:
         raise ValueError(f"d (the value head dim) must be a positive int, got {d!r}")
     _expect("v_codes", v_codes, (torch.uint8,), (b, h, t, packed_length(d, v_bits)), dev)
     _expect("v_norm", v_norm, (torch.float16,), (b, h, t, 1), dev)
-    _expect("v_centroids", v_centroids, (torch.float32,), (2**v_bits,), dev)
+    _check_table("v_centroids", v_centroids, v_bits, dev)
     _check_mask(q_rot, t, row_offset, bias, softcap)
+
+
+def _check_table(name: str, table: torch.Tensor, bits: int, device: torch.device) -> None:
+    """A TurboQuant lookup table: `(2**bits,)` centroids of scalar codes, or `(2**L,)` for trellis codes (L a multiple of
+    bits, bits < L <= TRELLIS_MAX_BITS; see `code_values`)."""
+    _expect(name, table, (torch.float32,), (None,), device)
+    size = table.numel()
+    state_bits = size.bit_length() - 1
+    if size != 1 << state_bits or state_bits % bits or not bits <= state_bits <= TRELLIS_MAX_BITS:
+        raise ValueError(f"{name} must have 2**bits = {2**bits} entries (scalar codes) or 2**L for trellis codes with L a multiple of "
+                         f"{bits} in {2 * bits}..{TRELLIS_MAX_BITS}, got {size}")
+
+
+def code_values(codes: torch.Tensor, table: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """Values `(..., n)` of TurboQuant codes `(..., ceil(n·bits/8))` packed LSB-first. With a `(2**bits,)` table each
+    coordinate is table[its code]; with a `(2**L,)` table (L > bits) the codes are the symbols of a tail-biting trellis
+    (`primitives.trellis`) and coordinate i is table[w_i], w_i the L bits of the row's circular bit string starting at
+    bit bits·(i - L/bits + 1): its state, oldest symbol lowest (`trellis.window_table` reorders a state codebook so)."""
+    symbols = unpack_bits(codes, bits, n)
+    state_bits = table.numel().bit_length() - 1
+    if state_bits == bits:
+        return table[symbols.long()]
+    return table[trellis.window_indices(symbols, bits, state_bits)]
 
 
 def check_int8_attention(q, k_codes, k_scale, v_codes, v_scale, bias, softcap) -> None:
@@ -302,8 +327,9 @@ def tq_attention(
 
     q_rot (B, H, R, dk) float: queries already rotated (and multiplied by the codec's channel scale).
     k_codes (B, H, T, ceil(dk·k_bits/8)) uint8, k_norm (B, H, T, 1) float16, k_centroids (2**k_bits,)
-    float32: k(t) = k_norm[t] · k_centroids[code(t)]. v_* likewise with v_bits and d (the value head
-    dim). row_offset (B, H, R, 1) is added to <q, k> before scaling (e.g. q·μ of a centered codec).
+    float32: k(t) = k_norm[t] · k_centroids[code(t)]; or (2**L,) for trellis codes, each coordinate a window of
+    L bits (`code_values`). v_* likewise with v_bits and d (the value head dim). row_offset (B, H, R, 1) is added
+    to <q, k> before scaling (e.g. q·μ of a centered codec).
     Keys centered on a turning mean (`TurboQuantConfig.rope_center`) add `turning_scores` before scaling:
     turn_q (B, H, R, dk) float32 the query as the model formed it (unrotated), turn_pair (H, M) int64 each head's
     turning RoPE pairs (a head with fewer repeats a pair whose mean is 0), turn_mu (H, M, 2) float32 their un-RoPEd
@@ -318,14 +344,14 @@ def tq_attention(
     k_table, v_table = k_centroids.to(compute_dtype), v_centroids.to(compute_dtype)
 
     def scores(t0: int, t1: int) -> torch.Tensor:
-        k = k_table[unpack_bits(k_codes[:, :, t0:t1], k_bits, dk).long()]  # (B, H, C, dk)
+        k = code_values(k_codes[:, :, t0:t1], k_table, k_bits, dk)  # (B, H, C, dk)
         s = (q @ k.mT) * k_norm[:, :, t0:t1].to(compute_dtype).mT
         if turn_q is not None:
             s = s + turning_scores(*turning, t0, t1).to(compute_dtype)
         return s if row_offset is None else s + row_offset.to(compute_dtype)
 
     def values(t0: int, t1: int) -> torch.Tensor:
-        return v_table[unpack_bits(v_codes[:, :, t0:t1], v_bits, d).long()] * v_norm[:, :, t0:t1].to(compute_dtype)
+        return code_values(v_codes[:, :, t0:t1], v_table, v_bits, d) * v_norm[:, :, t0:t1].to(compute_dtype)
 
     return _online_softmax((b, h, r), d, k_codes.shape[2], TOKEN_CHUNK, scores, values, scale, bias, softcap, compute_dtype, q.device)
 

@@ -68,6 +68,29 @@ def _codes(row_ptrs, cols, groups, tok_ok, C: tl.constexpr, BITS: tl.constexpr, 
 
 
 @triton.jit
+def _windows(row_ptrs, cols, mask, C: tl.constexpr, BITS: tl.constexpr, STATE: tl.constexpr, NBYTES: tl.constexpr):
+    """Trellis codes (`reference.code_values`): int32 (BT, BD) table indices of channels `cols (1, BD)`, each the STATE
+    bits of the row's circular string of BITS-bit symbols that end at its own symbol, the oldest lowest: STATE / BITS
+    symbol reads (each L1-resident after the first) shifted into place."""
+    w = tl.zeros(cols.shape, tl.int32)
+    for j in tl.static_range(STATE // BITS):
+        src = (cols + (C - STATE // BITS + 1 + j)) % C
+        w = w | (_unpack(row_ptrs, src, mask, BITS, NBYTES) << (BITS * j))
+    return w
+
+
+@triton.jit
+def _values(row_ptrs, cols, groups, tok_ok, table_ptr, C: tl.constexpr, BITS: tl.constexpr, STATE: tl.constexpr,
+            NBYTES: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, GROUPED: tl.constexpr, SELECT: tl.constexpr):
+    """Unit values (BT, BLOCK_C) float32 of TurboQuant code rows: centroids of scalar codes (STATE == BITS), or a
+    trellis table read at each channel's window (STATE > BITS)."""
+    if STATE > BITS:
+        return tl.load(table_ptr + _windows(row_ptrs, cols[None, :], tok_ok[:, None] & (cols[None, :] < C), C, BITS, STATE, NBYTES))
+    else:
+        return _lookup(table_ptr, _codes(row_ptrs, cols, groups, tok_ok, C, BITS, NBYTES, BLOCK_T, BLOCK_C, GROUPED), BITS, SELECT)
+
+
+@triton.jit
 def _lookup(table_ptr, code, BITS: tl.constexpr, SELECT: tl.constexpr):
     """Centroids `table[code]` (float32): a gather from the (cached) table, or with SELECT a chain of 2^b - 1
     selects among values held in registers (no load per code; more arithmetic)."""
@@ -190,7 +213,7 @@ def _tq_attention_kernel(
     BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     HAS_OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, FINAL: tl.constexpr,
     PRECISION: tl.constexpr, F16: tl.constexpr, GROUPED: tl.constexpr, SELECT: tl.constexpr,
-    HAS_TURN: tl.constexpr, BLOCK_M: tl.constexpr,
+    HAS_TURN: tl.constexpr, BLOCK_M: tl.constexpr, KSTATE: tl.constexpr, VSTATE: tl.constexpr,
 ):
     pid_bh = tl.program_id(0).to(tl.int64)
     b, h = pid_bh // H, pid_bh % H
@@ -228,8 +251,8 @@ def _tq_attention_kernel(
     for t0 in range(start, end, BLOCK_T):
         toks = t0 + tl.arange(0, BLOCK_T)
         tok_ok = toks < end
-        code = _codes(kc + toks[:, None] * skc_t, dk, gk, tok_ok, D, KBITS, KBYTES, BLOCK_T, BLOCK_D, GROUPED)
-        k = _lookup(kcent_ptr, code, KBITS, SELECT)  # (BT, BD) unit centroids; padded channels meet q = 0
+        k = _values(kc + toks[:, None] * skc_t, dk, gk, tok_ok, kcent_ptr, D, KBITS, KSTATE, KBYTES, BLOCK_T, BLOCK_D, GROUPED,
+                    SELECT)  # (BT, BD) unit values; padded channels meet q = 0
         k_norm = tl.load(kn + toks * skn_t, mask=tok_ok, other=0.0).to(tl.float32)
         if F16:  # one tensor-core pass; |centroid| <= 1 and the scaled query <= 1, so fp16 holds them
             s = tl.dot(q16, tl.trans(k.to(tl.float16))) * (q_amax[:, None] * k_norm[None, :])
@@ -242,8 +265,8 @@ def _tq_attention_kernel(
         s = _finish_scores(s, b, h, rows, toks, row_ok, tok_ok, scale, softcap,
                            bias_ptr, sb_b, sb_h, sb_r, sb_t, bias_rows, HAS_BIAS, HAS_SOFTCAP)
         m_i, alpha, p = _softmax_step(s, m_i)
-        code = _codes(vc + toks[:, None] * svc_t, dv, gv, tok_ok, DV, VBITS, VBYTES, BLOCK_T, BLOCK_DV, GROUPED)
-        v = _lookup(vcent_ptr, code, VBITS, SELECT)  # (BT, BDV)
+        v = _values(vc + toks[:, None] * svc_t, dv, gv, tok_ok, vcent_ptr, DV, VBITS, VSTATE, VBYTES, BLOCK_T, BLOCK_DV, GROUPED,
+                    SELECT)  # (BT, BDV)
         v_norm = tl.load(vn + toks * svn_t, mask=tok_ok, other=0.0).to(tl.float32)
         # The value norm scales p (BR x BT) rather than the (BT x BDV) centroid tile: fewer multiplies.
         # In fp16, p·norm <= norm, itself an fp16 value: no overflow.
@@ -565,6 +588,9 @@ def tq_attention(
         return _empty(q_rot, d)
     q, kc, kn, vc, vn = (_rows_last(x) for x in (q_rot, k_codes, k_norm, v_codes, v_norm))
     plan = _Plan(q, t, q.shape[-1], d, num_splits, kernel="tq")
+    k_state, v_state = (table.numel().bit_length() - 1 for table in (k_centroids, v_centroids))  # > bits: trellis windows
+    if max(k_state - k_bits, v_state - v_bits) > 0:
+        plan.select = False  # a select chain over 2**L table entries: the gather instead
     m, denom, o = plan.buffers(q.device)
     off = (q, 0, 0, 0) if row_offset is None else (row_offset, *_strides(row_offset))
     turn, block_m = (q, 0, 0, 0, q, q, q, q, 0), 16
@@ -583,7 +609,7 @@ def tq_attention(
         BLOCK_R=plan.block_r, BLOCK_D=plan.block_d, BLOCK_DV=plan.block_dv,
         HAS_OFFSET=row_offset is not None, HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap > 0,
         FINAL=plan.splits == 1, PRECISION=plan.precision, F16=plan.f16, GROUPED=plan.grouped, SELECT=plan.select,
-        HAS_TURN=turn_q is not None, BLOCK_M=block_m,
+        HAS_TURN=turn_q is not None, BLOCK_M=block_m, KSTATE=k_state, VSTATE=v_state,
     )
     return plan.finish(m, denom, o)
 

@@ -121,6 +121,9 @@ def gaussian_codebook(k: int, state_bits: int) -> torch.Tensor:
     return train_codebook(torch.randn(2048, 64, generator=torch.Generator().manual_seed(1)), k, state_bits)
 
 
+ENCODE_ROWS = 1 << 16  # sequences per batched Viterbi search: 256 MiB of float64 costs at L = 9
+
+
 def encode_symbols(y: torch.Tensor, codebook: torch.Tensor, k: int) -> torch.Tensor:
     """Coordinates `(..., n)` -> `(..., n)` uint8 k-bit symbols of a tail-biting path: n·k bits, the scalar code's
     size. State i is the window of L/k symbols ending at symbol i, read around the circle (state 0's high bits are
@@ -131,10 +134,13 @@ def encode_symbols(y: torch.Tensor, codebook: torch.Tensor, k: int) -> torch.Ten
     _symbols(k, state_bits)
     flat = y.reshape(-1, y.shape[-1])
     half = flat.shape[1] // 2
-    free, _ = viterbi(flat.roll(-half, dims=1), codebook, k)  # position j holds coordinate (j + half) mod n
-    wrap = free[:, flat.shape[1] - half - 1] & ((1 << (state_bits - k)) - 1)  # the state of coordinate n - 1
-    states, _ = viterbi(flat, codebook, k, wrap=wrap)
-    return (states & ((1 << k) - 1)).to(torch.uint8).view(y.shape)
+    out = []
+    for rows in flat.split(ENCODE_ROWS):  # bounded temporaries: (rows, 2**L) costs, (rows, n, 2**(L-k)) back-pointers
+        free, _ = viterbi(rows.roll(-half, dims=1), codebook, k)  # position j holds coordinate (j + half) mod n
+        wrap = free[:, rows.shape[1] - half - 1] & ((1 << (state_bits - k)) - 1)  # the state of coordinate n - 1
+        states, _ = viterbi(rows, codebook, k, wrap=wrap)
+        out.append((states & ((1 << k) - 1)).to(torch.uint8))
+    return torch.cat(out).view(y.shape) if out else torch.empty(y.shape, dtype=torch.uint8, device=y.device)
 
 
 def decode_symbols(symbols: torch.Tensor, codebook: torch.Tensor, k: int) -> torch.Tensor:
@@ -146,3 +152,31 @@ def decode_symbols(symbols: torch.Tensor, codebook: torch.Tensor, k: int) -> tor
     windows = circle.long().unfold(-1, per, 1)  # (..., n, per)
     states = (windows << (k * torch.arange(per - 1, -1, -1, device=symbols.device))).sum(-1)
     return codebook.to(symbols.device).float()[states]
+
+
+# -- the kernels' view: a table indexed by the raw window of the packed bit string -------------------------------------
+# `pack_bits` stores symbol i at bits k·i .. k·i + k - 1 of a row, least significant first, so the L bits starting at
+# bit k·(i - L/k + 1) (around the circle) hold state i's symbols oldest-lowest: the reverse of the state's own order
+# (oldest-highest, `decode_symbols`). A kernel reads that window with one shift and mask and indexes a table
+# reordered once (`window_table`), so it never assembles states symbol by symbol.
+def window_table(codebook: torch.Tensor, k: int) -> torch.Tensor:
+    """`(2**L,)` table t with t[window] = codebook[state] for the state whose symbols the raw window holds in reverse
+    order: what `window_indices` indexes."""
+    state_bits = _check(codebook, k)
+    per = _symbols(k, state_bits)
+    w = torch.arange(1 << state_bits, device=codebook.device)
+    mask = (1 << k) - 1
+    state = sum(((w >> (k * j)) & mask) << (k * (per - 1 - j)) for j in range(per))
+    return codebook[state]
+
+
+def window_indices(symbols: torch.Tensor, k: int, state_bits: int) -> torch.Tensor:
+    """`(..., n)` k-bit symbols -> `(..., n)` int64 window values: coordinate i's L bits of the circular bit string
+    starting at symbol i - L/k + 1, the oldest symbol in the lowest bits (the kernels' table index)."""
+    per = _symbols(k, state_bits)
+    n = symbols.shape[-1]
+    idx = torch.arange(n, device=symbols.device)
+    out = torch.zeros(symbols.shape, dtype=torch.int64, device=symbols.device)
+    for j in range(per):  # symbol j of the window sits at bits k·j
+        out |= symbols.long()[..., (idx - per + 1 + j) % n] << (k * j)
+    return out
