@@ -31,7 +31,7 @@ import torch
 from ..primitives import trellis
 from ..primitives.kmeans import assign
 from ..primitives.kmeans import d2_picks as kmeans_d2_picks
-from ..primitives.packing import pack_bits, packed_length, unpack_bits
+from ..primitives.packing import pack_bits, packed_length
 from . import reference
 
 SOURCE = Path(__file__).with_name("lut_kernels.cpp")

@@ -30,10 +30,10 @@ from collections.abc import Callable
 
 import torch
 
+from ..primitives import trellis
 from ..primitives.affine import quantize_affine
 from ..primitives.packing import pack_bits, packed_length, unpack_bits
 from ..primitives.rope import apply_rope, rope_cos_sin
-from ..primitives import trellis
 from ..primitives.rotation import is_power_of_two, randomized_hadamard
 
 # Tokens per step of the references. Bounds temporaries to B·H·TOKEN_CHUNK·max(d, R) floats; 512 keeps
