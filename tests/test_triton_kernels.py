@@ -99,6 +99,7 @@ TRELLIS_CASES = [  # head_dim, GQA group, query tokens, (key bits, L), (value bi
     (64, 3, 1, (3, 9), (2, 8), 2),  # +tcq's pair
     (128, 4, 5, (3, 9), (3, 3), 1),  # trellis keys, scalar values, a causal mask
     (80, 7, 1, (2, 2), (2, 8), 3),  # scalar keys, trellis values
+    (36, 2, 1, (3, 9), (2, 8), 2),  # 36 channels: no whole 8-channel groups, so windows by channel
 ]
 
 

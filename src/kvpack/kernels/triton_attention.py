@@ -80,12 +80,34 @@ def _windows(row_ptrs, cols, mask, C: tl.constexpr, BITS: tl.constexpr, STATE: t
 
 
 @triton.jit
+def _windows_groups(row_ptrs, groups, mask, BITS: tl.constexpr, STATE: tl.constexpr, NBYTES: tl.constexpr,
+                    BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr):
+    """`_windows` by 8-channel groups (`_unpack_groups`' layout; needs C % 8 == 0 and STATE - BITS <= 8): a group's
+    windows lie in its BITS bytes and the byte before them (the row's last byte for group 0: the string is circular
+    and whole bytes long), so BITS + 1 loads and eight shifts give eight windows. The per-channel form's STATE / BITS
+    symbol reads per channel were what made trellis tiles 2-3x the scalar ones on an H200 (docs/gpu.md)."""
+    prev = tl.where(groups == 0, NBYTES - 1, groups * BITS - 1)
+    word = tl.load(row_ptrs + prev, mask=mask, other=0).to(tl.int64)
+    for i in tl.static_range(BITS):
+        byte = tl.load(row_ptrs + groups * BITS + i, mask=mask, other=0)
+        word = word | (byte.to(tl.int64) << (8 * (i + 1)))
+    shifts = (8 - (STATE - BITS)) + tl.arange(0, 8) * BITS  # channel j's window starts STATE - BITS bits before its symbol
+    win = (word[:, :, None] >> shifts[None, None, :]) & ((1 << STATE) - 1)
+    return tl.reshape(win.to(tl.int32), (BLOCK_T, BLOCK_G * 8))
+
+
+@triton.jit
 def _values(row_ptrs, cols, groups, tok_ok, table_ptr, C: tl.constexpr, BITS: tl.constexpr, STATE: tl.constexpr,
             NBYTES: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, GROUPED: tl.constexpr, SELECT: tl.constexpr):
     """Unit values (BT, BLOCK_C) float32 of TurboQuant code rows: centroids of scalar codes (STATE == BITS), or a
     trellis table read at each channel's window (STATE > BITS)."""
     if STATE > BITS:
-        return tl.load(table_ptr + _windows(row_ptrs, cols[None, :], tok_ok[:, None] & (cols[None, :] < C), C, BITS, STATE, NBYTES))
+        if GROUPED and STATE - BITS <= 8:
+            win = _windows_groups(row_ptrs, groups[None, :], tok_ok[:, None] & (groups[None, :] < C // 8), BITS, STATE, NBYTES,
+                                  BLOCK_T, BLOCK_C // 8)
+        else:
+            win = _windows(row_ptrs, cols[None, :], tok_ok[:, None] & (cols[None, :] < C), C, BITS, STATE, NBYTES)
+        return tl.load(table_ptr + win)
     else:
         return _lookup(table_ptr, _codes(row_ptrs, cols, groups, tok_ok, C, BITS, NBYTES, BLOCK_T, BLOCK_C, GROUPED), BITS, SELECT)
 
