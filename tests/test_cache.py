@@ -183,11 +183,13 @@ def test_fused_decode_equals_reference_over_dequantized_cache(method, gqa):
     torch.testing.assert_close(out, _reference_attention(layer, q, d**-0.5), atol=2e-4, rtol=1e-3)
 
 
-@pytest.mark.parametrize("gqa,rope_scaling", [(1, 1.0), (3, 1.25)])
-def test_turning_mean_keys_decode_fused_and_through_ops_as_over_the_dequantized_cache(monkeypatch, gqa, rope_scaling):
+@pytest.mark.parametrize("gqa,rope_scaling,method", [(1, 1.0, "turboquant:k3v2+ropemean"), (3, 1.25, "turboquant:k3v2+ropemean"),
+                                                     (3, 1.0, "turboquant:k3v2+ropemean+tcq")])
+def test_turning_mean_keys_decode_fused_and_through_ops_as_over_the_dequantized_cache(monkeypatch, gqa, rope_scaling, method):
     """`turboquant:k3v2+ropemean` on keys with a constant component before RoPE (so pairs turn and the kernel adds
     their per-token term): the CPU kernel, the custom ops (torch references; Triton under its interpreter) and plain
-    attention over the dequantized cache agree, over the prompt's tokens and a later block at other positions."""
+    attention over the dequantized cache agree, over the prompt's tokens and a later block at other positions. With
+    `+tcq` the kernels read trellis windows (a `(2**L,)` table) on both sides."""
     from kvpack import attention, kernels
     from kvpack.codecs.base import group_query, ungroup
     from kvpack.primitives.rope import apply_rope, rope_cos_sin
@@ -195,7 +197,7 @@ def test_turning_mean_keys_decode_fused_and_through_ops_as_over_the_dequantized_
     torch.manual_seed(gqa)
     b, hk, d, n = 2, 2, 64, 4 + 64 * 5 + 37
     inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
-    layer = KVPackLayer(get_method("turboquant:k3v2+ropemean"), 0, _Cfg(), (inv_freq, rope_scaling))
+    layer = KVPackLayer(get_method(method), 0, _Cfg(), (inv_freq, rope_scaling))
     offset = 4 * torch.randn(1, hk, 1, d)
 
     def keys(start, count):  # RoPE'd as the model does, its attention scaling included (YaRN-style models scale cos/sin)

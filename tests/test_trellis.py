@@ -97,7 +97,10 @@ def test_turboquant_with_a_trellis_stores_less_error_and_attends_on_its_codes():
     torch.testing.assert_close(coded.weighted_sum(p, pt), p @ k, atol=1e-4, rtol=1e-4)
     method = get_method("turboquant:k3v2+ropemean+tcq")
     assert (method.key.options["trellis"], method.value.options["trellis"]) == (9, 8)
-    with pytest.raises(ValueError, match="'\\+tcq' \\(not with '\\+qjl'\\)"):
+    for side, widths in (("k", (9, None)), ("v", (None, 8))):  # one side only
+        method = get_method(f"turboquant:k3v2+tcq{side}")
+        assert (method.key.options.get("trellis"), method.value.options.get("trellis")) == widths
+    with pytest.raises(ValueError, match="not with '\\+qjl'"):
         get_method("turboquant:k3v3+qjl+tcq")
 
 

@@ -385,10 +385,11 @@ def _int8(arg: str) -> MethodConfig:
 
 @method("turboquant", "k4v4", "k3v3", "k3v2", "k3v3+qjl", "k3v2+ropemean")
 def _turboquant(arg: str) -> MethodConfig:
-    match = re.fullmatch(r"k([1-4])v([1-4])(\+qjl)?(\+ropemean)?(\+tcq)?", arg or "k3v2")
+    match = re.fullmatch(r"k([1-4])v([1-4])(\+qjl)?(\+ropemean)?(\+tcq[kv]?)?", arg or "k3v2")
     if not match or (match[3] and match[5]):
-        raise ValueError(f"turboquant takes 'kXvY' with X, Y in 1..4, then optionally '+qjl' and '+ropemean' and '+tcq' (not with "
-                         f"'+qjl') in that order (e.g. turboquant:k3v3, turboquant:k3v2+ropemean), got {arg!r}")
+        raise ValueError(f"turboquant takes 'kXvY' with X, Y in 1..4, then optionally '+qjl' and '+ropemean' and '+tcq' (or '+tcqk', "
+                         f"'+tcqv': keys or values only; not with '+qjl') in that order (e.g. turboquant:k3v3, turboquant:k3v2+ropemean), "
+                         f"got {arg!r}")
     kb, vb, qjl = int(match[1]), int(match[2]), bool(match[3])
     # kvpack normalizes before TurboQuant (see TurboQuantConfig): keys are centered and divided by
     # RMS^0.5 per channel (Qwen2's outlier channels; full RMS scaling cost SmolLM2 +1.7% at 3 bits,
@@ -397,10 +398,12 @@ def _turboquant(arg: str) -> MethodConfig:
     # turns with position, which a post-RoPE mean cannot remove (docs/decisions.md).
     # '+tcq' codes both sides with a bitshift trellis (TurboQuantConfig.trellis) of L = the first multiple of the width
     # >= 8 state bits (256-4096 states): below the scalar optimum at 0.05-0.2 more bits per value (docs/codecs.md).
-    tcq = (lambda b: {"trellis": -(-8 // b) * b}) if match[5] else (lambda b: {})
+    # '+tcqk' / '+tcqv' code one side so.
+    sides = {"+tcq": "kv", "+tcqk": "k", "+tcqv": "v"}.get(match[5] or "", "")
+    tcq = lambda side, b: {"trellis": -(-8 // b) * b} if side in sides else {}  # noqa: E731
     key = CodecSpec("turboquant", {"bits": kb, "qjl": qjl, "center": True, "channel_scale": 0.5, **({"rope_center": True} if match[4] else {}),
-                                   **tcq(kb)})
-    return MethodConfig(f"turboquant:{arg or 'k3v2'}", key, CodecSpec("turboquant", {"bits": vb, "center": True, **tcq(vb)}))
+                                   **tcq("k", kb)})
+    return MethodConfig(f"turboquant:{arg or 'k3v2'}", key, CodecSpec("turboquant", {"bits": vb, "center": True, **tcq("v", vb)}))
 
 
 @method("polarquant-int4")

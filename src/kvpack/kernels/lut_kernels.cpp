@@ -665,8 +665,9 @@ void dense_attention_impl(const float* q, const KT* k, int64_t k_bh, const at::H
 // Codes of a tail-biting bitshift trellis (kvpack/primitives/trellis.py): k-bit symbols packed LSB-first like scalar
 // codes, coordinate i the table entry of the L-bit window of the row's circular bit string that starts at bit
 // k(i - L/k + 1) (reference.code_values). Eight coordinates' windows lie in one 64-bit word read at the first one's
-// start (the string's last bits ahead of bit 0 for the first group): one shift and mask each, and where the CPU has
-// AVX2 and the eight fit 32 bits (7k + L <= 32) a broadcast, a per-lane shift and one gather from the table.
+// start (the string's last bits ahead of bit 0 for the first group): one shift, mask and table load each. Scalar loads,
+// not gathers: on an AMD EPYC (Zen 4) 15 ns a 64-channel row against 21 ns with AVX2 or AVX-512 gathers, and Intel's
+// gather microcode mitigations (GDS) make gathers slower still there.
 struct TrellisRows {
   const float* table;  // (2**L,) indexed by the raw window
   int k, L, d, nbytes;
@@ -691,15 +692,6 @@ struct TrellisRows {
     for (int i = 0; i < d; i += 8) {
       const uint64_t w = circular_at(row, k * i - pre);
       const int lanes = std::min(8, d - i);
-#ifdef __AVX2__
-      if (lanes == 8 && 7 * k + L <= 32) {
-        const __m256i shift = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(k));
-        const __m256i idx = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(w))), shift),
-                                             _mm256_set1_epi32(static_cast<int>(mask)));
-        _mm256_storeu_ps(dst + i, _mm256_i32gather_ps(table, idx, 4));
-        continue;
-      }
-#endif
       for (int j = 0; j < lanes; ++j) dst[i + j] = table[(w >> (k * j)) & mask];
     }
   }
@@ -762,55 +754,77 @@ void tq_rows_attention(const float* q, const float* row_off, const uint8_t* kc, 
 
 // -- trellis encode: the tail-biting Viterbi search of trellis.encode_symbols, float32 costs -------------------------
 
+// Sixteen sequences searched in lockstep, one per lane of every state's cost (GCC vector types: AVX-512 registers where
+// the CPU has them, pairs of AVX2 ones elsewhere): each step is vertical min/select/add over the 2**L states with no
+// shuffles, and the back-pointers are bytes per lane. Per sequence 4.8x faster than searching one sequence at a time
+// (a 64-channel row on one Zen 4 core: 4.7 us against 22.8 us at L = 9, 3.0 against 15.3 us at L = 8), with the
+// same results: the same float32 sums, ties to the first predecessor and the first final state.
+constexpr int kLanes = 16;
+typedef float lanes_f __attribute__((vector_size(4 * kLanes)));
+typedef int32_t lanes_i __attribute__((vector_size(4 * kLanes)));
+
 struct TrellisSearch {
   const float* book;  // (2**L,) state codebook, state = symbols oldest-highest
-  int k, L, S, tail;
-  std::vector<float> cost, best, err;
-  std::vector<uint8_t> arg, back;
-  std::vector<int32_t> states;
-  TrellisSearch(const float* book_, int k_, int L_, int n)
-      : book(book_), k(k_), L(L_), S(1 << L_), tail(1 << (L_ - k_)), cost(S), best(tail), err(S), arg(tail),
-        back(static_cast<size_t>(n) * tail), states(n) {}
+  int k, L, S, tail, n;
+  std::vector<lanes_f> cost, best, xs;
+  std::vector<lanes_i> arg;
+  std::vector<uint8_t> back;    // (n - 1, tail, lanes)
+  std::vector<int32_t> states;  // (lanes, n)
+  TrellisSearch(const float* book_, int k_, int L_, int n_)
+      : book(book_), k(k_), L(L_), S(1 << L_), tail(1 << (L_ - k_)), n(n_), cost(S), best(tail), xs(n_), arg(tail),
+        back(static_cast<size_t>(n_) * tail * kLanes), states(static_cast<size_t>(kLanes) * n_) {}
 
-  // Least-error state path of x[idx(0)], ..., x[idx(n-1)] into `states`; wrap >= 0 holds the first state's high and the
-  // last state's low L - k bits to it.
-  template <typename Idx>
-  void run(const float* x, int n, int wrap, const Idx& idx) {
+  // Least-error state paths of the sixteen sequences in `xs` (xs[i][lane]) into `states`; with `wrap` (one per lane,
+  // else null) each path's first state's high and last state's low L - k bits are held to it.
+  void run(const int32_t* wrap) {
     const float inf = std::numeric_limits<float>::infinity();
-    const float x0 = x[idx(0)];
-    for (int s = 0; s < S; ++s) cost[s] = (wrap >= 0 && (s >> k) != wrap) ? inf : (x0 - book[s]) * (x0 - book[s]);
+    for (int s = 0; s < S; ++s) {
+      const lanes_f e = xs[0] - book[s];
+      cost[s] = e * e;
+      if (wrap)
+        for (int j = 0; j < kLanes; ++j)
+          if ((s >> k) != wrap[j]) cost[s][j] = inf;
+    }
     const int fan = 1 << k;
     for (int i = 1; i < n; ++i) {
       // The best predecessor of every low part lo: p = hi * tail + lo over the fan of high parts.
       for (int lo = 0; lo < tail; ++lo) {
         best[lo] = cost[lo];
-        arg[lo] = 0;
+        arg[lo] = lanes_i{} ;
       }
       for (int hi = 1; hi < fan; ++hi) {
-        const float* c = cost.data() + hi * tail;
+        const lanes_f* c = cost.data() + hi * tail;
+        const lanes_i h = lanes_i{} + hi;
         for (int lo = 0; lo < tail; ++lo) {
-          const bool less = c[lo] < best[lo];
+          const lanes_i less = c[lo] < best[lo];
           best[lo] = less ? c[lo] : best[lo];
-          arg[lo] = less ? static_cast<uint8_t>(hi) : arg[lo];
+          arg[lo] = less ? h : arg[lo];
         }
       }
-      std::memcpy(back.data() + static_cast<size_t>(i - 1) * tail, arg.data(), tail);
-      const float xi = x[idx(i)];
-      for (int s = 0; s < S; ++s) err[s] = (xi - book[s]) * (xi - book[s]);
+      uint8_t* bk = back.data() + static_cast<size_t>(i - 1) * tail * kLanes;
       for (int lo = 0; lo < tail; ++lo)
-        for (int nw = 0; nw < fan; ++nw) cost[lo * fan + nw] = best[lo] + err[lo * fan + nw];
+        for (int j = 0; j < kLanes; ++j) bk[lo * kLanes + j] = static_cast<uint8_t>(arg[lo][j]);
+      const lanes_f x = xs[i];
+      for (int lo = 0; lo < tail; ++lo)
+        for (int nw = 0; nw < fan; ++nw) {
+          const lanes_f e = x - book[lo * fan + nw];
+          cost[lo * fan + nw] = best[lo] + e * e;
+        }
     }
-    int last = -1;
-    float low = inf;
-    for (int s = 0; s < S; ++s)
-      if ((wrap < 0 || (s & (tail - 1)) == wrap) && (last < 0 || cost[s] < low)) {
-        low = cost[s];
-        last = s;
+    for (int j = 0; j < kLanes; ++j) {
+      int last = -1;
+      float low = inf;
+      for (int s = 0; s < S; ++s)
+        if ((!wrap || (s & (tail - 1)) == wrap[j]) && (last < 0 || cost[s][j] < low)) {
+          low = cost[s][j];
+          last = s;
+        }
+      int32_t* st = states.data() + static_cast<size_t>(j) * n;
+      st[n - 1] = last;
+      for (int i = n - 1; i > 0; --i) {
+        const int lo = st[i] >> k;
+        st[i - 1] = back[(static_cast<size_t>(i - 1) * tail + lo) * kLanes + j] * tail + lo;
       }
-    states[n - 1] = last;
-    for (int i = n - 1; i > 0; --i) {
-      const int lo = states[i] >> k;
-      states[i - 1] = back[static_cast<size_t>(i - 1) * tail + lo] * tail + lo;
     }
   }
 };
@@ -829,16 +843,22 @@ torch::Tensor trellis_encode(torch::Tensor y, torch::Tensor book, int64_t k) {
   const float* src = y.data_ptr<float>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   const int kk = static_cast<int>(k), half = n / 2, sym = (1 << kk) - 1;
-  at::parallel_for(0, N, 16, [&](int64_t lo, int64_t hi) {
+  at::parallel_for(0, (N + kLanes - 1) / kLanes, 1, [&](int64_t lo, int64_t hi) {
     TrellisSearch search(book.data_ptr<float>(), kk, L, n);
-    for (int64_t r = lo; r < hi; ++r) {
-      const float* x = src + r * n;
-      // A free pass over the sequence rotated by n/2 (the wrap point mid-path) reads the bits there, then the pass
-      // over the sequence itself is held to them at both ends.
-      search.run(x, n, -1, [&](int j) { return (j + half) % n; });
-      const int wrap = search.states[n - half - 1] & (search.tail - 1);
-      search.run(x, n, wrap, [](int j) { return j; });
-      for (int j = 0; j < n; ++j) dst[r * n + j] = static_cast<uint8_t>(search.states[j] & sym);
+    int32_t wrap[kLanes];
+    for (int64_t blk = lo; blk < hi; ++blk) {
+      const int64_t r0 = blk * kLanes, rows = std::min<int64_t>(kLanes, N - r0);
+      // A free pass over the sequences rotated by n/2 (the wrap point mid-path) reads the bits there, then the pass
+      // over the sequences themselves is held to them at both ends. Lanes past the last row search zeros.
+      for (int i = 0; i < n; ++i)
+        for (int j = 0; j < kLanes; ++j) search.xs[i][j] = j < rows ? src[(r0 + j) * n + (i + half) % n] : 0.f;
+      search.run(nullptr);
+      for (int j = 0; j < kLanes; ++j) wrap[j] = search.states[static_cast<size_t>(j) * n + n - half - 1] & (search.tail - 1);
+      for (int i = 0; i < n; ++i)
+        for (int j = 0; j < kLanes; ++j) search.xs[i][j] = j < rows ? src[(r0 + j) * n + i] : 0.f;
+      search.run(wrap);
+      for (int64_t j = 0; j < rows; ++j)
+        for (int i = 0; i < n; ++i) dst[(r0 + j) * n + i] = static_cast<uint8_t>(search.states[j * n + i] & sym);
     }
   });
   return out;
