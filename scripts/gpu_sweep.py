@@ -40,6 +40,7 @@ SHAPES = {  # batch, kv heads, query rows per kv head, head_dim
 }
 
 
+KERNELS = ("tq", "tq-turn", "tq-tcq", "tq-turn-tcq", "int8")
 SDPA = torch.nn.functional.scaled_dot_product_attention
 
 
@@ -71,10 +72,19 @@ def inputs(shape: str, t: int, device: str) -> dict:
     tq = dict(q_rot=torch.randn(b, kv, rows, d, generator=g, device=device), k_codes=u8(d * 3 // 8), k_norm=f16(),
               k_centroids=lloyd_max_codebook(d, 3, "gaussian").centroids.to(device), k_bits=3, v_codes=u8(d * 2 // 8), v_norm=f16(),
               v_centroids=lloyd_max_codebook(d, 2, "gaussian").centroids.to(device), v_bits=2, d=d, scale=d**-0.5)
+    # `+ropemean` keys (the default): ~9 of 32 RoPE pairs turn per head at d = 64 as on real models, 21 of 64 at d = 128
+    # as with `bench.attention --key-bias 1.0`; `+tcq`: trellis tables (L = 9 keys, 8 values) in place of the centroids.
+    pairs = 9 if d == 64 else 21
+    turn = dict(turn_q=torch.randn(b, kv, rows, d, generator=g, device=device),
+                turn_pair=torch.stack([torch.randperm(d // 2, generator=g, device=device)[:pairs] for _ in range(kv)]),
+                turn_mu=torch.randn(kv, pairs, 2, generator=g, device=device),
+                turn_freq=1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float64, device=device) / d)),
+                turn_pos0=torch.randint(0, 30000, (b,), generator=g, device=device))
+    tcq = dict(k_centroids=torch.randn(512, generator=g, device=device) * d**-0.5, v_centroids=torch.randn(256, generator=g, device=device) * d**-0.5)
     i8 = dict(q=tq["q_rot"], k_codes=u8(d).view(torch.int8), k_scale=f16(), v_codes=u8(d).view(torch.int8), v_scale=f16(), scale=d**-0.5)
     q = torch.randn(b, kv * rows, 1, d, generator=g, device=device, dtype=torch.bfloat16)
     k = torch.randn(b, kv, t, d, generator=g, device=device, dtype=torch.bfloat16)
-    return {"tq": tq, "int8": i8, "sdpa": (q, k, k.clone())}
+    return {"tq": tq, "tq-turn": tq | turn, "tq-tcq": tq | tcq, "tq-turn-tcq": tq | turn | tcq, "int8": i8, "sdpa": (q, k, k.clone())}
 
 
 def bench(fn, device: str) -> float:
@@ -91,6 +101,8 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument("--kernels", nargs="+", default=["tq", "int8"], choices=KERNELS,
+                    help="tq-turn: keys centered on a turning mean (+ropemean); tq-tcq: trellis tables (+tcq)")
     args = ap.parse_args()
     rows = []
     for shape in args.shapes:
@@ -104,7 +116,8 @@ def main() -> None:
             rows.append({"shape": shape, "kernel": "sdpa-bf16", "variant": variant, "ms": ms})
             print(f"{shape:18s} sdpa-bf16 {variant:10s} {ms:8.4f} ms", flush=True)
         sdpa = min(timed.values())  # the faster SDPA form is the baseline
-        for kernel, fn in (("tq", triton_attention.tq_attention), ("int8", triton_attention.int8_attention)):
+        for kernel in args.kernels:
+            fn = triton_attention.int8_attention if kernel == "int8" else triton_attention.tq_attention
             _, denom, o = fn(**data[kernel])
             base = o / denom  # each variant's output against the shipped configuration's
             for variant in args.variants:
