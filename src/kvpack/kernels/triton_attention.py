@@ -494,7 +494,9 @@ class _Plan:
         # TurboQuant and int8 at 65-128 dims take 128-token tiles (2.5x less time than 64 for TurboQuant at batch 1
         # and 32; int8 about even); TurboQuant at 33-64 dims the select chain with 128-token tiles (1.7x less than
         # the gather with 64-token tiles at batch 32, twice confirmed; the select chain was 1.5x slower at 128 dims).
-        if kernel in ("tq", "int8") and width == 128:
+        # Trellis codes ("tq-tcq") read a table per channel whatever the width: the gather, and at 33-64 dims 64-token
+        # tiles (0.81 against 1.01 ms for 128, batch 32, 32K, with the turning term; sweep-turn-tcq.json).
+        if kernel in ("tq", "int8", "tq-tcq") and width == 128:
             self.block_t = 128
         if kernel == "tq" and width == 64:
             self.block_t, self.select = 128, True
@@ -609,10 +611,8 @@ def tq_attention(
     if t == 0 or q_rot.numel() == 0:
         return _empty(q_rot, d)
     q, kc, kn, vc, vn = (_rows_last(x) for x in (q_rot, k_codes, k_norm, v_codes, v_norm))
-    plan = _Plan(q, t, q.shape[-1], d, num_splits, kernel="tq")
     k_state, v_state = (table.numel().bit_length() - 1 for table in (k_centroids, v_centroids))  # > bits: trellis windows
-    if max(k_state - k_bits, v_state - v_bits) > 0:
-        plan.select = False  # a select chain over 2**L table entries: the gather instead
+    plan = _Plan(q, t, q.shape[-1], d, num_splits, kernel="tq-tcq" if max(k_state - k_bits, v_state - v_bits) > 0 else "tq")
     m, denom, o = plan.buffers(q.device)
     off = (q, 0, 0, 0) if row_offset is None else (row_offset, *_strides(row_offset))
     turn, block_m = (q, 0, 0, 0, q, q, q, q, 0), 16
