@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <vector>
 
 #if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
@@ -665,9 +666,14 @@ void dense_attention_impl(const float* q, const KT* k, int64_t k_bh, const at::H
 // Codes of a tail-biting bitshift trellis (kvpack/primitives/trellis.py): k-bit symbols packed LSB-first like scalar
 // codes, coordinate i the table entry of the L-bit window of the row's circular bit string that starts at bit
 // k(i - L/k + 1) (reference.code_values). Eight coordinates' windows lie in one 64-bit word read at the first one's
-// start (the string's last bits ahead of bit 0 for the first group): one shift, mask and table load each. Scalar loads,
-// not gathers: on an AMD EPYC (Zen 4) 15 ns a 64-channel row against 21 ns with AVX2 or AVX-512 gathers, and Intel's
-// gather microcode mitigations (GDS) make gathers slower still there.
+// start (the string's last bits ahead of bit 0 for the first group), and two neighbours' windows in one of L + k bits,
+// so a table of 2**(L+k) float pairs (32 KiB at L = 9, k = 3; built per call) gives two coordinates per 8-byte load.
+// Scalar loads, not gathers: a 64-channel K + V token row (L = 9 / 8) on an AMD EPYC (Zen 4) took 29 ns one table load
+// per coordinate, 17 ns with the pair table, and AVX2 or AVX-512 gathers were slower than single loads (21 against 15 ns
+// a K row); Intel's gather microcode mitigations (GDS) make gathers slower still there.
+constexpr int kMaxTrellisRow = 160;  // row bytes: d <= 320 at k <= 4
+constexpr int kMaxPairBits = 12;     // pair tables up to 2**12 float pairs (32 KiB, L1-sized)
+
 struct TrellisRows {
   const float* table;  // (2**L,) indexed by the raw window
   int k, L, d, nbytes;
@@ -686,13 +692,27 @@ struct TrellisRows {
     const int back = -bit;
     return (bits_at(row, d * k - back) & ((uint64_t{1} << back) - 1)) | (bits_at(row, 0) << back);
   }
+  const uint64_t* pairs = nullptr;  // (2**(L+k),) two floats each: coordinates 2j and 2j+1 from their joint window, or null
+
   void operator()(const uint8_t* row, float* dst) const {
-    const uint32_t mask = (1u << L) - 1;
+    const uint32_t mask = (1u << L) - 1, pair_mask = (1u << (L + k)) - 1;
     const int pre = L - k;
+    uint8_t buf[kMaxTrellisRow + 8] = {};  // the row, zero-padded so every group reads one fixed 8-byte word
+    std::memcpy(buf, row, nbytes);
     for (int i = 0; i < d; i += 8) {
-      const uint64_t w = circular_at(row, k * i - pre);
-      const int lanes = std::min(8, d - i);
-      for (int j = 0; j < lanes; ++j) dst[i + j] = table[(w >> (k * j)) & mask];
+      const int bit = k * i - pre;
+      uint64_t w;
+      if (bit >= 0) {
+        std::memcpy(&w, buf + (bit >> 3), sizeof(w));
+        w >>= bit & 7;
+      } else {
+        w = circular_at(row, bit);
+      }
+      if (pairs && d - i >= 8) {
+        for (int j = 0; j < 4; ++j) std::memcpy(dst + i + 2 * j, pairs + ((w >> (2 * k * j)) & pair_mask), sizeof(uint64_t));
+      } else {
+        for (int j = 0; j < std::min(8, d - i); ++j) dst[i + j] = table[(w >> (k * j)) & mask];
+      }
     }
   }
 };
@@ -717,17 +737,28 @@ struct CodeRows {
   bool trellis;
   TrellisRows tr;
   ScalarRows sc;
+  std::vector<uint64_t> pairs;  // tr.pairs' storage
   void operator()(const uint8_t* row, float* dst) const { trellis ? tr(row, dst) : sc(row, dst); }
 };
 
-CodeRows make_code_rows(const torch::Tensor& table, int bits, int d) {
+std::unique_ptr<CodeRows> make_code_rows(const torch::Tensor& table, int bits, int d) {
   const int64_t entries = table.numel();
   const int L = entries > 1 ? 63 - __builtin_clzll(static_cast<uint64_t>(entries)) : 0;
   const int nbytes = (d * bits + 7) / 8;
   TORCH_CHECK(entries == (int64_t{1} << L) && L % bits == 0 && L >= bits && L <= 12,
               "a TurboQuant table has 2**bits entries (scalar codes) or 2**L, L a multiple of bits up to 12 (trellis codes)");
+  TORCH_CHECK(L == bits || nbytes <= kMaxTrellisRow, "trellis rows hold at most ", kMaxTrellisRow, " bytes, got ", nbytes);
   const float* t = table.data_ptr<float>();
-  return {L > bits, TrellisRows{t, bits, L, d, nbytes}, ScalarRows{t, bits, d, nbytes}};
+  auto rows = std::make_unique<CodeRows>(CodeRows{L > bits, TrellisRows{t, bits, L, d, nbytes}, ScalarRows{t, bits, d, nbytes}, {}});
+  if (L > bits && L + bits <= kMaxPairBits) {
+    rows->pairs.resize(size_t{1} << (L + bits));
+    for (size_t w = 0; w < rows->pairs.size(); ++w) {
+      const float two[2] = {t[w & ((size_t{1} << L) - 1)], t[w >> bits]};
+      std::memcpy(&rows->pairs[w], two, sizeof(two));
+    }
+    rows->tr.pairs = rows->pairs.data();
+  }
+  return rows;
 }
 
 // tq_attention's form for segments with trellis codes on either side: rows decoded in L1 (rows_attention_impl).
@@ -1355,7 +1386,8 @@ std::vector<torch::Tensor> tq_attention(torch::Tensor q, torch::Tensor row_offse
     const float* off = row_offset.numel() ? row_offset.data_ptr<float>() : nullptr;
     const int kb = static_cast<int>(k_bits), vb = static_cast<int>(v_bits);
     const Skip sk = make_skip(skip);
-    const CodeRows krows = make_code_rows(k_cent, kb, static_cast<int>(d)), vrows = make_code_rows(v_cent, vb, static_cast<int>(d));
+    const auto krows_ = make_code_rows(k_cent, kb, static_cast<int>(d)), vrows_ = make_code_rows(v_cent, vb, static_cast<int>(d));
+    const CodeRows &krows = *krows_, &vrows = *vrows_;
     if (krows.trellis || vrows.trellis) {
       tq_rows_attention(q.data_ptr<float>(), off, k_codes.data_ptr<uint8_t>(), head_stride(k_codes, "k_codes"), k_norm.data_ptr<at::Half>(),
                         head_stride(k_norm, "k_norm"), krows, KL.nbytes, v_codes.data_ptr<uint8_t>(), head_stride(v_codes, "v_codes"),
