@@ -154,5 +154,26 @@ def test_cpp_encoder_refuses_bad_tables():
 
     if not cpu_lut.available():
         pytest.skip(cpu_lut.unavailable_reason())
-    with pytest.raises(ValueError, match="multiple of k"):
+    with pytest.raises(ValueError, match="L a multiple of 3"):
         cpu_lut.trellis_encode(torch.zeros(2, 8), torch.zeros(256), 3)
+    with pytest.raises(ValueError, match="L > bits"):
+        cpu_lut.trellis_encode(torch.zeros(2, 8), torch.zeros(8), 3)
+
+
+def test_the_op_routes_cpu_tensors_to_the_cpp_search():
+    """`ops.trellis_encode` (what the codec calls): on CPU tensors the C++ search when built, the torch reference under
+    `KVPACK_BACKEND=torch`; both give the reference's symbols."""
+    from kvpack.kernels import cpu_lut, ops, reference
+
+    y = torch.randn(3, 5, 64, generator=torch.Generator().manual_seed(9))
+    book = trellis.gaussian_codebook(2, 8)
+    want = reference.trellis_encode(y, book, 2)
+    if cpu_lut.available():
+        assert ops.implementation("trellis_encode", y.device) is cpu_lut.trellis_encode
+    assert torch.equal(ops.trellis_encode(y, book, 2), want)
+    ops.set_backend("torch")
+    try:
+        assert ops.implementation("trellis_encode", y.device) is reference.trellis_encode
+        assert torch.equal(ops.trellis_encode(y, book, 2), want)
+    finally:
+        ops.set_backend(None)

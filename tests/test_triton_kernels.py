@@ -116,6 +116,25 @@ def test_tq_attention_on_trellis_codes(d, group, q_len, kspec, vspec, splits):
     assert_within_low_precision("tq_attention", on_device(run_triton, "tq_attention", **args, num_splits=splits), args)
 
 
+@in_process
+@pytest.mark.parametrize("bits,state_bits,n,rows", [(3, 9, 64, 37), (2, 8, 80, 21), (1, 4, 36, 5)])
+def test_trellis_encode(bits, state_bits, n, rows):
+    """The Triton Viterbi search (both tail-biting passes, back-pointers walked per row) against `reference.trellis_encode`
+    (float64 torch): the same symbols on every row (float32 costs: a near-tie could differ, none does on these draws), or
+    failing that no worse a path than the float32 rounding of the costs."""
+    from kvpack.kernels import triton_encode
+    from kvpack.primitives import trellis
+
+    gen = torch.Generator().manual_seed(n)
+    book = trellis.train_codebook(torch.randn(128, n, generator=gen), bits, state_bits, iters=2)
+    y = torch.randn(rows, n, generator=gen) * 1.5
+    out = triton_encode.trellis_encode(to_device(y), to_device(book), bits).cpu()
+    want = reference.trellis_encode(y, book, bits)
+    err = lambda sym: (trellis.decode_symbols(sym, book, bits) - y).pow(2).sum(-1)  # noqa: E731
+    assert out.dtype == torch.uint8 and out.shape == y.shape
+    assert (out == want).all(-1).float().mean() >= 0.95 and (err(out) <= err(want) * (1 + 1e-5) + 1e-6).all()
+
+
 @triton.jit
 def _codes_kernel(src, out, T, C: tl.constexpr, BITS: tl.constexpr, NBYTES: tl.constexpr,
                   BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, GROUPED: tl.constexpr):

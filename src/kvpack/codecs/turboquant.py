@@ -355,7 +355,7 @@ class TurboQuantCodec(UnRopedKeys, Codec):
             codes = torch.empty(*x.shape[:3], 0, dtype=torch.uint8, device=x.device)
             y_hat = torch.zeros_like(y)
         elif self._trellis_book is not None:
-            symbols = kernels.cpu_lut.trellis_encode(y * math.sqrt(self.head_dim), self._trellis_book.to(y.device), self.mse_bits)
+            symbols = ops.trellis_encode(y * math.sqrt(self.head_dim), self._on("trellis_book", self._trellis_book, y.device), self.mse_bits)
             return TurboQuantPacked(x.shape[2], norm16, pack_bits(symbols, self.mse_bits))
         elif not self.config.qjl and y.device.type == "cpu" and kernels.available():
             # Bucketize + pack in one pass (the reconstruction y_hat only feeds the QJL residual).

@@ -28,7 +28,6 @@ from types import ModuleType
 
 import torch
 
-from ..primitives import trellis
 from ..primitives.kmeans import assign
 from ..primitives.kmeans import d2_picks as kmeans_d2_picks
 from ..primitives.packing import pack_bits, packed_length
@@ -412,24 +411,19 @@ def quantize_pack_reference(y: torch.Tensor, boundaries: torch.Tensor, bits: int
     return pack_bits(torch.bucketize(y, boundaries).to(torch.uint8), bits)
 
 
-def trellis_encode(y: torch.Tensor, codebook: torch.Tensor, k: int) -> torch.Tensor:
-    """`trellis.encode_symbols` in C++: y (..., n) float -> (..., n) uint8 k-bit symbols of tail-biting paths through
-    the bitshift trellis of a `(2**L,)` state codebook (the same two Viterbi passes, float32 costs, rows in parallel).
-    Falls back to the torch reference off the CPU or without the kernels."""
-    if not (available() and y.device.type == "cpu"):
-        return trellis_encode_reference(y, codebook, k)
-    if not isinstance(y, torch.Tensor) or y.dim() < 1 or not y.dtype.is_floating_point:
-        raise ValueError(f"y must be a float tensor (..., n), got {getattr(y, 'dtype', type(y).__name__)}")
-    book = codebook.float().contiguous()
-    state_bits = book.numel().bit_length() - 1
-    if book.dim() != 1 or book.numel() != 1 << state_bits or k not in range(1, 5) or state_bits % k or not k < state_bits <= 12:
-        raise ValueError(f"codebook must be (2**L,) with L a multiple of k in (k, 12] and k in 1..4, got {tuple(book.shape)} and k={k!r}")
+def trellis_encode(y: torch.Tensor, codebook: torch.Tensor, bits: int) -> torch.Tensor:
+    """`reference.trellis_encode` in C++: y (..., n) float -> (..., n) uint8 `bits`-bit symbols of tail-biting paths
+    through the bitshift trellis of a `(2**L,)` state codebook (the same two Viterbi passes, float32 costs, sixteen rows
+    in lockstep, blocks of rows in parallel). Falls back to the torch reference off the CPU or without the kernels."""
+    if not (available() and isinstance(y, torch.Tensor) and y.device.type == "cpu"):
+        return reference.trellis_encode(y, codebook, bits)
+    reference.check_trellis_encode(y, codebook, bits)  # (2**L,) with L a multiple of bits, up to 12: what the C++ search takes
     flat = y.float().reshape(-1, y.shape[-1])
-    return _ext().trellis_encode(flat, book, k).view(y.shape)
+    return _ext().trellis_encode(flat, codebook.float().contiguous(), bits).view(y.shape)
 
 
-def trellis_encode_reference(y: torch.Tensor, codebook: torch.Tensor, k: int) -> torch.Tensor:
-    return trellis.encode_symbols(y, codebook, k)
+def trellis_encode_reference(y: torch.Tensor, codebook: torch.Tensor, bits: int) -> torch.Tensor:
+    return reference.trellis_encode(y, codebook, bits)
 
 
 def nearest_codeword(x: torch.Tensor, centroids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,6 +17,7 @@ Ops (namespace `kvpack`; arguments and results as in `reference.py`, which is th
     kvpack::tq_encode(Tensor x, Tensor? mean, Tensor? inv_scale, Tensor signs, Tensor boundaries,
         SymInt bits) -> (Tensor norm, Tensor codes)
     kvpack::kivi_encode(Tensor x, SymInt bits, SymInt group, str axis) -> (Tensor codes, Tensor scale, Tensor zero)
+    kvpack::trellis_encode(Tensor y, Tensor codebook, SymInt bits) -> Tensor symbols
 
 Each op has a fake (meta) implementation, so `torch.compile(fullgraph=True)` traces through it, and
 one Python body that picks an implementation per call from the tensors' device and the backend:
@@ -62,7 +63,7 @@ class Backend(str, Enum):
 BACKENDS = tuple(b.value for b in Backend)
 _TRITON_MODULES = {"tq_attention": "triton_attention", "int8_attention": "triton_attention",
                    "kivi_attention": "triton_attention", "pca_vq_attention": "triton_shard", "tq_encode": "triton_encode",
-                   "kivi_encode": "triton_encode"}
+                   "kivi_encode": "triton_encode", "trellis_encode": "triton_encode"}
 _override: Backend | None = None
 _warned: set[str] = set()
 
@@ -368,3 +369,14 @@ def _(x, bits, group, axis):
     meta = -(-d // group) if axis == "channel" else d // group
     return (x.new_empty((b, h, t, (d * bits + 7) // 8), dtype=torch.uint8), x.new_empty((b, h, t, meta), dtype=torch.float16),
             x.new_empty((b, h, t, meta), dtype=torch.float16))
+
+
+@torch.library.custom_op("kvpack::trellis_encode", mutates_args=())
+def trellis_encode(y: Tensor, codebook: Tensor, bits: int) -> Tensor:
+    """Trellis-coded TurboQuant symbols (`reference.trellis_encode`): y (..., n) -> (..., n) uint8 of a tail-biting path."""
+    return implementation("trellis_encode", y.device)(y, codebook, bits)
+
+
+@trellis_encode.register_fake
+def _(y, codebook, bits):
+    return y.new_empty(y.shape, dtype=torch.uint8)

@@ -242,6 +242,17 @@ def check_tq_encode(x, mean, inv_scale, signs, boundaries, bits) -> None:
     _expect("boundaries", boundaries, (torch.float32,), (2**bits - 1,), x.device)
 
 
+def check_trellis_encode(y, codebook, bits) -> None:
+    if not isinstance(y, torch.Tensor) or y.dim() < 1 or y.shape[-1] < 2:
+        raise ValueError(f"y must be a float tensor (..., n) with n >= 2, got {getattr(y, 'shape', type(y).__name__)}")
+    _expect("y", y, _FLOATS, (None,) * y.dim(), y.device)
+    if bits not in TQ_BITS:
+        raise ValueError(f"bits must be one of {TQ_BITS}, got {bits!r}")
+    _check_table("codebook", codebook, bits, y.device)
+    if codebook.numel() == 2**bits:
+        raise ValueError(f"codebook must have 2**L entries with L > bits = {bits} (a trellis state codebook), got {codebook.numel()}")
+
+
 def check_kivi_encode(x, bits, group, axis) -> None:
     if not isinstance(x, torch.Tensor) or x.dim() != 4:
         raise ValueError(f"x must be a 4-D tensor (batch, kv_heads, tokens, head_dim), got {getattr(x, 'shape', type(x).__name__)}")
@@ -548,6 +559,16 @@ def tq_encode(
         b, h, _, d = x.shape
         return x.new_empty((b, h, 0, 1), dtype=torch.float16), x.new_empty((b, h, 0, d * bits // 8), dtype=torch.uint8)
     return torch.cat(norms, dim=2), torch.cat(codes, dim=2)
+
+
+def trellis_encode(y: torch.Tensor, codebook: torch.Tensor, bits: int) -> torch.Tensor:
+    """Trellis-coded TurboQuant symbols: y (..., n) float, coordinates already rotated and scaled to N(0, 1);
+    codebook (2**L,) float32 the state codebook (`trellis.gaussian_codebook`, state = symbols oldest-highest).
+    Returns (..., n) uint8 `bits`-bit symbols of a tail-biting path (`trellis.encode_symbols`: a free Viterbi pass over
+    the sequence rotated by n/2 reads the wrap-around bits, a second pass is held to them at both ends; ties to the
+    first predecessor and the first final state)."""
+    check_trellis_encode(y, codebook, bits)
+    return trellis.encode_symbols(y, codebook, bits)
 
 
 def kivi_encode(x: torch.Tensor, bits: int, group: int, axis: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

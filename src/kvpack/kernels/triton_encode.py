@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .reference import check_kivi_encode, check_tq_encode
+from .reference import check_kivi_encode, check_tq_encode, check_trellis_encode
 
 
 @triton.jit
@@ -218,3 +218,99 @@ def kivi_encode(x: torch.Tensor, bits: int, group: int, axis: str) -> tuple[torc
             x, *strides, codes, scale, zero, h, t, D=d, BITS=bits, NBYTES=nbytes, GROUP=group, BLOCK_T=block_t, BLOCK_D=block_d,
         )
     return codes, scale, zero
+
+
+# -- trellis-coded TurboQuant: the tail-biting Viterbi search -------------------------------------------------------------
+@triton.jit
+def _trellis_forward(y_ptr, r, ok, book, back, wrap, SHIFT: tl.constexpr, HAS_WRAP: tl.constexpr, N: tl.constexpr,
+                     BITS: tl.constexpr, STATE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Costs (BLOCK_N, 2**STATE) after the last coordinate of rows `r`, read from coordinate SHIFT on around the circle;
+    step i's best predecessor high parts go to `back + i * TAIL` (BLOCK_N, TAIL) as bytes. With HAS_WRAP the first state's
+    high STATE - BITS bits are held to `wrap`."""
+    S: tl.constexpr = 1 << STATE
+    FAN: tl.constexpr = 1 << BITS
+    TAIL: tl.constexpr = S // FAN
+    s = tl.arange(0, S)
+    x = tl.load(y_ptr + r * N + SHIFT % N, mask=ok, other=0.0)
+    e = x[:, None] - book[None, :]
+    cost = e * e
+    if HAS_WRAP:
+        cost = tl.where((s[None, :] >> BITS) == wrap[:, None], cost, float("inf"))
+    book3 = tl.reshape(book, (1, TAIL, FAN))  # state lo·FAN + new: its low part lo, its new symbol
+    for i in range(1, N):
+        folded = tl.reshape(cost, (BLOCK_N, FAN, TAIL))  # predecessor hi·TAIL + lo
+        best = tl.min(folded, axis=1)
+        arg = tl.argmin(folded, axis=1, tie_break_left=True)
+        tl.store(back + (i - 1) * TAIL, arg.to(tl.uint8), mask=ok[:, None])
+        x = tl.load(y_ptr + r * N + (i + SHIFT) % N, mask=ok, other=0.0)
+        e = x[:, None, None] - book3
+        cost = tl.reshape(best[:, :, None] + e * e, (BLOCK_N, S))
+    return cost
+
+
+@triton.jit
+def _trellis_last(cost, wrap, HAS_WRAP: tl.constexpr, STATE: tl.constexpr, BITS: tl.constexpr):
+    """Each row's least-cost final state (the first on ties), held to `wrap` in its low STATE - BITS bits."""
+    TAIL: tl.constexpr = (1 << STATE) >> BITS
+    s = tl.arange(0, 1 << STATE)
+    if HAS_WRAP:
+        cost = tl.where((s[None, :] & (TAIL - 1)) == wrap[:, None], cost, float("inf"))
+    return tl.argmin(cost, axis=1, tie_break_left=True).to(tl.int32)
+
+
+@triton.jit
+def _trellis_encode_kernel(y_ptr, book_ptr, back_ptr, out_ptr, rows, N: tl.constexpr, BITS: tl.constexpr,
+                           STATE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """`reference.trellis_encode` for BLOCK_N rows per program: a free pass over each row rotated by N/2, whose path's
+    state at coordinate N - 1 gives the wrap-around bits, then a pass held to them; symbols by walking the back-pointers
+    (`back_ptr`: (rows, N - 1, TAIL) bytes, this program's rows only, reused by the second pass)."""
+    TAIL: tl.constexpr = (1 << STATE) >> BITS
+    HALF: tl.constexpr = N // 2
+    r = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = r < rows
+    r = r.to(tl.int64)
+    book = tl.load(book_ptr + tl.arange(0, 1 << STATE))
+    back = back_ptr + r[:, None] * ((N - 1) * TAIL) + tl.arange(0, TAIL)[None, :]
+    rows_back = back_ptr + r * ((N - 1) * TAIL)
+    none = tl.zeros([BLOCK_N], tl.int32)
+    cost = _trellis_forward(y_ptr, r, ok, book, back, none, HALF, False, N, BITS, STATE, BLOCK_N)
+    tl.debug_barrier()  # the walk below reads other threads' back-pointer stores
+    state = _trellis_last(cost, none, False, STATE, BITS)
+    for j in range(HALF):  # position N - 1 - j -> N - 2 - j of the rotated row: ends at coordinate N - 1
+        lo = state >> BITS
+        hi = tl.load(rows_back + (N - 2 - j) * TAIL + lo, mask=ok, other=0).to(tl.int32)
+        state = hi * TAIL + lo
+    wrap = state & (TAIL - 1)
+    tl.debug_barrier()  # every walk is done before the second pass overwrites the back-pointers
+    cost = _trellis_forward(y_ptr, r, ok, book, back, wrap, 0, True, N, BITS, STATE, BLOCK_N)
+    tl.debug_barrier()
+    state = _trellis_last(cost, wrap, True, STATE, BITS)
+    for j in range(N - 1):
+        i = N - 1 - j
+        tl.store(out_ptr + r * N + i, (state & ((1 << BITS) - 1)).to(tl.uint8), mask=ok)
+        lo = state >> BITS
+        hi = tl.load(rows_back + (i - 1) * TAIL + lo, mask=ok, other=0).to(tl.int32)
+        state = hi * TAIL + lo
+    tl.store(out_ptr + r * N, (state & ((1 << BITS) - 1)).to(tl.uint8), mask=ok)
+
+
+TRELLIS_ROWS = 1 << 16  # rows per launch: (rows, n - 1, 2**(L - bits)) back-pointer bytes, 258 MB at n = 64, L = 9, bits = 3
+
+
+def trellis_encode(y: torch.Tensor, codebook: torch.Tensor, bits: int) -> torch.Tensor:
+    """Triton `reference.trellis_encode`: y (..., n) float -> (..., n) uint8 symbols."""
+    check_trellis_encode(y, codebook, bits)
+    _check_device(y)
+    n = y.shape[-1]
+    flat = y.reshape(-1, n).float().contiguous()
+    out = torch.empty(flat.shape, dtype=torch.uint8, device=y.device)
+    state = codebook.numel().bit_length() - 1
+    # A program's (BLOCK_N x 2**L) costs sit in registers: 4 rows at L <= 9 on a GPU; the interpreter's cost is per program.
+    block_n = 16 if INTERPRETED else 4 if state <= 9 else 2
+    book = codebook.float().contiguous()
+    for r0 in range(0, flat.shape[0], TRELLIS_ROWS):
+        part = flat[r0 : r0 + TRELLIS_ROWS]
+        back = torch.empty((part.shape[0], n - 1, 1 << (state - bits)), dtype=torch.uint8, device=y.device)
+        _trellis_encode_kernel[(triton.cdiv(part.shape[0], block_n),)](part, book, back, out[r0 : r0 + TRELLIS_ROWS], part.shape[0],
+                                                                     N=n, BITS=bits, STATE=state, BLOCK_N=block_n)
+    return out.view(y.shape)
