@@ -243,8 +243,8 @@ def _trellis_forward(y_ptr, r, ok, book, back, wrap, SHIFT: tl.constexpr, HAS_WR
         arg = tl.argmin(folded, axis=1, tie_break_left=True)
         tl.store(back + (i - 1) * TAIL, arg.to(tl.uint8), mask=ok[:, None])
         x = tl.load(y_ptr + r * N + (i + SHIFT) % N, mask=ok, other=0.0)
-        e = x[:, None, None] - book3
-        cost = tl.reshape(best[:, :, None] + e * e, (BLOCK_N, S))
+        diff = x[:, None, None] - book3  # (a loop-carried name must keep its shape: not `e`)
+        cost = tl.reshape(best[:, :, None] + diff * diff, (BLOCK_N, S))
     return cost
 
 
