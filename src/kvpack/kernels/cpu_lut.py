@@ -232,8 +232,8 @@ def tq_attention(q_rot, row_offset, k_codes, k_norm, k_cent, k_bits: int, v_code
     k_norm = _check_rows("k_norm", k_norm, torch.float16, (b, h, t, 1))
     v_codes = _check_rows("v_codes", v_codes, torch.uint8, (b, h, t, packed_length(d, v_bits)))
     v_norm = _check_rows("v_norm", v_norm, torch.float16, (b, h, t, 1))
-    reference._check_table("k_cent", k_cent, k_bits, k_cent.device)  # (2**bits,) centroids, or a (2**L,) trellis table
-    reference._check_table("v_cent", v_cent, v_bits, v_cent.device)
+    reference.check_table("k_cent", k_cent, k_bits, k_cent.device)  # (2**bits,) centroids, or a (2**L,) trellis table
+    reference.check_table("v_cent", v_cent, v_bits, v_cent.device)
     if turning is not None:
         _check_turning(turning, (b, h, r, d))
     return tuple(_ext().tq_attention(q_rot, off, k_codes, k_norm, k_cent, k_bits, v_codes, v_norm, v_cent, v_bits, float(scale),

@@ -133,16 +133,16 @@ def check_tq_attention(q_rot, k_codes, k_norm, k_centroids, k_bits, v_codes, v_n
     _expect("k_codes", k_codes, (torch.uint8,), (b, h, None, packed_length(dk, k_bits)), dev)
     t = k_codes.shape[2]
     _expect("k_norm", k_norm, (torch.float16,), (b, h, t, 1), dev)
-    _check_table("k_centroids", k_centroids, k_bits, dev)
+    check_table("k_centroids", k_centroids, k_bits, dev)
     if not isinstance(d, int) or d < 1:
         raise ValueError(f"d (the value head dim) must be a positive int, got {d!r}")
     _expect("v_codes", v_codes, (torch.uint8,), (b, h, t, packed_length(d, v_bits)), dev)
     _expect("v_norm", v_norm, (torch.float16,), (b, h, t, 1), dev)
-    _check_table("v_centroids", v_centroids, v_bits, dev)
+    check_table("v_centroids", v_centroids, v_bits, dev)
     _check_mask(q_rot, t, row_offset, bias, softcap)
 
 
-def _check_table(name: str, table: torch.Tensor, bits: int, device: torch.device) -> None:
+def check_table(name: str, table: torch.Tensor, bits: int, device: torch.device) -> None:
     """A TurboQuant lookup table: `(2**bits,)` centroids of scalar codes, or `(2**L,)` for trellis codes (L a multiple of
     bits, bits < L <= TRELLIS_MAX_BITS; see `code_values`)."""
     _expect(name, table, (torch.float32,), (None,), device)
@@ -248,7 +248,7 @@ def check_trellis_encode(y, codebook, bits) -> None:
     _expect("y", y, _FLOATS, (None,) * y.dim(), y.device)
     if bits not in TQ_BITS:
         raise ValueError(f"bits must be one of {TQ_BITS}, got {bits!r}")
-    _check_table("codebook", codebook, bits, y.device)
+    check_table("codebook", codebook, bits, y.device)
     if codebook.numel() == 2**bits:
         raise ValueError(f"codebook must have 2**L entries with L > bits = {bits} (a trellis state codebook), got {codebook.numel()}")
 
