@@ -48,7 +48,7 @@ def _kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("enabled", [False, True])
-@pytest.mark.parametrize("method", list_methods())
+@pytest.mark.parametrize("method", [*list_methods(), "turboquant:k3v2+ropemean+tcq"])
 def test_padded_row_matches_its_unbatched_run(model, method, enabled):
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(1, 128, (2, REAL), generator=g)

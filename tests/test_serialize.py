@@ -117,7 +117,8 @@ def _assert_same_state(a, b) -> None:
 
 
 # -- round trips -------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("method", [*kvpack.list_methods(), "turboquant:k3v2@anchors=5%", "shard@anchors=5%", "shard:k3v2@anchors=5%"])
+@pytest.mark.parametrize("method", [*kvpack.list_methods(), "turboquant:k3v2@anchors=5%", "shard@anchors=5%", "shard:k3v2@anchors=5%",
+                                    "turboquant:k3v2+ropemean+tcq"])
 def test_round_trip_is_bit_exact_and_generation_continues_identically(tiny, method, tmp_path):
     cache, seq = _filled(tiny, method)
     assert ("@anchors=" in method) == all(layer.anchors is not None for layer in cache.compressed_layers())
