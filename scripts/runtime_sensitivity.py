@@ -57,8 +57,8 @@ def profile_and_model(name: str, profile: str | None, threads: int):
 
 
 def capture(model, ids: torch.Tensor) -> tuple[dict, dict]:
-    """One prefill: each layer's RoPE'd (q, k, v) (kvpack.bench.shard.prompt_qkv) and the hidden state entering it."""
-    from kvpack.bench.shard import prompt_qkv
+    """One prefill: each layer's RoPE'd (q, k, v) (kvpack.bench.layers.prompt_qkv) and the hidden state entering it."""
+    from kvpack.bench.layers import prompt_qkv
 
     hidden = {}
     hooks = [layer.register_forward_pre_hook(lambda mod, args, kwargs, i=i: hidden.__setitem__(i, (args[0] if args else kwargs["hidden_states"]).detach()),

@@ -4,7 +4,7 @@ other side exact, and the error of that layer's causal attention output on real 
     python -m kvpack.bench.layers --model gemma3-270m --prefix 8192 --methods turboquant:k3v2+ropemean turboquant:k4v4+ropemean \
         --json bench/results/layers-gemma3-270m-8k.json
 
-One prefill records every layer's RoPE'd queries, keys and values (`bench.shard.prompt_qkv`); for each method and side the
+One prefill records every layer's RoPE'd queries, keys and values (`prompt_qkv`); for each method and side the
 layer's codec is fitted on the prompt as the cache fits it (positions, and the prompt's last queries for codecs that read
 them), encodes and decodes it, and the prompt's second half of queries scores the relative squared error of the attention
 output against exact K/V (sinks kept exact, as in the cache). This isolates each (layer, side): no error propagates from
@@ -23,11 +23,42 @@ import torch
 PROG = "python -m kvpack.bench.layers"
 
 
+def prompt_qkv(model, ids: torch.Tensor) -> dict[int, tuple[torch.Tensor, ...]]:
+    """Each layer's RoPE'd query, key and value `(1, heads, tokens, d)` float32 from one prefill, via SDPA."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    seen = {}
+
+    def record(module, query, key, value, attention_mask, **kwargs):
+        seen[module.layer_idx] = (query.float(), key.float(), value.float())
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register("kvpack-record", record)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("kvpack-record")
+    try:
+        model(ids)
+    finally:
+        model.set_attn_implementation(previous)
+    return seen
+
+
+def causal_attention_error(q, k, v, k_hat, v_hat, first: int) -> float:
+    """Mean relative squared error of causal attention outputs for queries from `first` on."""
+    rep = q.shape[1] // k.shape[1]
+    mask = torch.ones(q.shape[2] - first, k.shape[2], dtype=torch.bool).tril(first)
+    ref, got = (
+        torch.nn.functional.scaled_dot_product_attention(q[:, :, first:], kk.repeat_interleave(rep, 1), vv.repeat_interleave(rep, 1), attn_mask=mask)
+        for kk, vv in ((k, v), (k_hat, v_hat))
+    )
+    return ((got - ref).square().sum(-1) / ref.square().sum(-1)).mean().item()
+
+
 @torch.no_grad()
 def layer_errors(model, ids: torch.Tensor, methods: list[str]) -> list[dict]:
     """Rows `{layer, method, side, attn_error, bits_per_value}` for every compressed layer, method and side."""
     import kvpack
-    from kvpack.bench.shard import _attention_error, prompt_qkv
     from kvpack.cache.layer import FIT_QUERIES, KVPackLayer
 
     qkv = prompt_qkv(model, ids)
@@ -50,7 +81,7 @@ def layer_errors(model, ids: torch.Tensor, methods: list[str]) -> list[dict]:
                 x_hat[:, :, : config.sink_tokens] = x[:, :, : config.sink_tokens]
                 k_hat, v_hat = (x_hat, v) if side == "key" else (k, x_hat)
                 rows.append({"layer": li, "method": method, "side": side, "bits_per_value": 8 * packed.nbytes() / x.numel(),
-                             "attn_error": _attention_error(q, k, v, k_hat, v_hat, ids.shape[1] // 2)})
+                             "attn_error": causal_attention_error(q, k, v, k_hat, v_hat, ids.shape[1] // 2)})
     return rows
 
 

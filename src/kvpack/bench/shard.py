@@ -327,38 +327,6 @@ def _plot_curve(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def prompt_qkv(model, ids: torch.Tensor) -> dict[int, tuple[torch.Tensor, ...]]:
-    """Each layer's RoPE'd query, key and value `(1, heads, tokens, d)` float32 from one prefill, via SDPA."""
-    from transformers import AttentionInterface
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    seen = {}
-
-    def record(module, query, key, value, attention_mask, **kwargs):
-        seen[module.layer_idx] = (query.float(), key.float(), value.float())
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-
-    AttentionInterface.register("kvpack-record", record)
-    previous = model.config._attn_implementation
-    model.set_attn_implementation("kvpack-record")
-    try:
-        model(ids)
-    finally:
-        model.set_attn_implementation(previous)
-    return seen
-
-
-def _attention_error(q, k, v, k_hat, v_hat, first: int) -> float:
-    """Mean relative squared error of causal attention outputs for queries from `first` on."""
-    rep = q.shape[1] // k.shape[1]
-    mask = torch.ones(q.shape[2] - first, k.shape[2], dtype=torch.bool).tril(first)
-    ref, got = (
-        torch.nn.functional.scaled_dot_product_attention(q[:, :, first:], kk.repeat_interleave(rep, 1), vv.repeat_interleave(rep, 1), attn_mask=mask)
-        for kk, vv in ((k, v), (k_hat, v_hat))
-    )
-    return ((got - ref).square().sum(-1) / ref.square().sum(-1)).mean().item()
-
-
 @torch.no_grad()
 def run_layers(name: str, prefix: int, out: Path) -> None:
     """Where Shard loses, layer by layer: the prompt encoded with only K (two rank rules) or only V lossy.
@@ -368,6 +336,7 @@ def run_layers(name: str, prefix: int, out: Path) -> None:
     """
     import kvpack
     from kvpack.bench.env import environment
+    from kvpack.bench.layers import causal_attention_error, prompt_qkv
     from kvpack.cache.layer import FIT_QUERIES, KVPackLayer
     from kvpack.text import token_stream
 
@@ -397,7 +366,7 @@ def run_layers(name: str, prefix: int, out: Path) -> None:
             x_hat = codec.decode(packed, positions).float()
             x_hat[:, :, : base.sink_tokens] = x[:, :, : base.sink_tokens]
             k_hat, v_hat = (x_hat, v) if side == "key" else (k, x_hat)
-            row[label] = {"attn_error": _attention_error(q, k, v, k_hat, v_hat, prefix // 2), "bits_per_value": 8 * packed.nbytes() / x.numel()}
+            row[label] = {"attn_error": causal_attention_error(q, k, v, k_hat, v_hat, prefix // 2), "bits_per_value": 8 * packed.nbytes() / x.numel()}
             row[label] |= {"rank": codec.rank} if side == "key" else {}
         rows.append(row)
     _append(out / f"shard_layers_{name}.json", {"env": environment("python -m kvpack.bench.shard"), "model": name, "prefix": prefix, "layers": rows})
