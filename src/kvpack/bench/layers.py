@@ -55,11 +55,27 @@ def causal_attention_error(q, k, v, k_hat, v_hat, first: int) -> float:
     return ((got - ref).square().sum(-1) / ref.square().sum(-1)).mean().item()
 
 
+def stored(spec, x: torch.Tensor, layer, positions: torch.Tensor, queries: torch.Tensor, sinks: int):
+    """`x (1, heads, tokens, d)` as `layer` (a `KVPackLayer`) would store it with `spec`'s codec: fitted on the prompt
+    (positions and RoPE, the prompt's last queries for codecs that read them), encoded, decoded, the first `sinks` tokens
+    exact. Returns (codec, packed, x_hat float32)."""
+    from kvpack.cache.layer import FIT_QUERIES
+
+    codec = spec.build(x.shape[-1], x.shape[1], layer.layer_idx)
+    if codec.uses_positions:
+        codec.set_rope(*layer.rope)
+    codec.fit(x, positions, **({"queries": queries[:, :, -FIT_QUERIES:]} if codec.fits_on_queries else {}))
+    packed = codec.encode(x, positions)
+    x_hat = codec.decode(packed, positions).float()
+    x_hat[:, :, :sinks] = x[:, :, :sinks]
+    return codec, packed, x_hat
+
+
 @torch.no_grad()
 def layer_errors(model, ids: torch.Tensor, methods: list[str]) -> list[dict]:
     """Rows `{layer, method, side, attn_error, bits_per_value}` for every compressed layer, method and side."""
     import kvpack
-    from kvpack.cache.layer import FIT_QUERIES, KVPackLayer
+    from kvpack.cache.layer import KVPackLayer
 
     qkv = prompt_qkv(model, ids)
     layers = kvpack.KVCache(model, methods[0]).layers
@@ -72,13 +88,7 @@ def layer_errors(model, ids: torch.Tensor, methods: list[str]) -> list[dict]:
                 continue
             for side, spec in (("key", config.key), ("value", config.value)):
                 x = k if side == "key" else v
-                codec = spec.build(x.shape[-1], x.shape[1], li)
-                if codec.uses_positions:
-                    codec.set_rope(*layers[li].rope)
-                codec.fit(x, positions, **({"queries": q[:, :, -FIT_QUERIES:]} if codec.fits_on_queries else {}))
-                packed = codec.encode(x, positions)
-                x_hat = codec.decode(packed, positions).float()
-                x_hat[:, :, : config.sink_tokens] = x[:, :, : config.sink_tokens]
+                _, packed, x_hat = stored(spec, x, layers[li], positions, q, config.sink_tokens)
                 k_hat, v_hat = (x_hat, v) if side == "key" else (k, x_hat)
                 rows.append({"layer": li, "method": method, "side": side, "bits_per_value": 8 * packed.nbytes() / x.numel(),
                              "attn_error": causal_attention_error(q, k, v, k_hat, v_hat, ids.shape[1] // 2)})

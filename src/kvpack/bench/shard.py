@@ -336,8 +336,8 @@ def run_layers(name: str, prefix: int, out: Path) -> None:
     """
     import kvpack
     from kvpack.bench.env import environment
-    from kvpack.bench.layers import causal_attention_error, prompt_qkv
-    from kvpack.cache.layer import FIT_QUERIES, KVPackLayer
+    from kvpack.bench.layers import causal_attention_error, prompt_qkv, stored
+    from kvpack.cache.layer import KVPackLayer
     from kvpack.text import token_stream
 
     model, tok = _load(name)
@@ -358,13 +358,7 @@ def run_layers(name: str, prefix: int, out: Path) -> None:
         row = {"layer": li}
         for label, (side, spec) in sides.items():
             x = k if side == "key" else v
-            codec = spec.build(x.shape[-1], x.shape[1], li)
-            if codec.uses_positions:
-                codec.set_rope(*layers[li].rope)
-            codec.fit(x, positions, **({"queries": q[:, :, -FIT_QUERIES:]} if codec.fits_on_queries else {}))
-            packed = codec.encode(x, positions)
-            x_hat = codec.decode(packed, positions).float()
-            x_hat[:, :, : base.sink_tokens] = x[:, :, : base.sink_tokens]
+            codec, packed, x_hat = stored(spec, x, layers[li], positions, q, base.sink_tokens)
             k_hat, v_hat = (x_hat, v) if side == "key" else (k, x_hat)
             row[label] = {"attn_error": causal_attention_error(q, k, v, k_hat, v_hat, prefix // 2), "bits_per_value": 8 * packed.nbytes() / x.numel()}
             row[label] |= {"rank": codec.rank} if side == "key" else {}
