@@ -400,7 +400,10 @@ def _turboquant(arg: str) -> MethodConfig:
     # >= 8 state bits (256-4096 states): below the scalar optimum at 0.05-0.2 more bits per value (docs/codecs.md).
     # '+tcqk' / '+tcqv' code one side so.
     sides = {"+tcq": "kv", "+tcqk": "k", "+tcqv": "v"}.get(match[5] or "", "")
-    tcq = lambda side, b: {"trellis": -(-8 // b) * b} if side in sides else {}  # noqa: E731
+
+    def tcq(side: str, b: int) -> dict:
+        return {"trellis": -(-8 // b) * b} if side in sides else {}
+
     key = CodecSpec("turboquant", {"bits": kb, "qjl": qjl, "center": True, "channel_scale": 0.5, **({"rope_center": True} if match[4] else {}),
                                    **tcq("k", kb)})
     return MethodConfig(f"turboquant:{arg or 'k3v2'}", key, CodecSpec("turboquant", {"bits": vb, "center": True, **tcq("v", vb)}))

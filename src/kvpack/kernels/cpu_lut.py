@@ -422,10 +422,6 @@ def trellis_encode(y: torch.Tensor, codebook: torch.Tensor, bits: int) -> torch.
     return _ext().trellis_encode(flat, codebook.float().contiguous(), bits).view(y.shape)
 
 
-def trellis_encode_reference(y: torch.Tensor, codebook: torch.Tensor, bits: int) -> torch.Tensor:
-    return reference.trellis_encode(y, codebook, bits)
-
-
 def nearest_codeword(x: torch.Tensor, centroids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Nearest codeword of each point: x (G, N, D), centroids (G, K, D) f32 -> index (G, N) i64, squared distance
     (G, N) f32 (ties to the lowest index). k-means' assignment step and VQ's encode; falls back to the torch

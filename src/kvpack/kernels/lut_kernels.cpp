@@ -1386,9 +1386,9 @@ std::vector<torch::Tensor> tq_attention(torch::Tensor q, torch::Tensor row_offse
     const float* off = row_offset.numel() ? row_offset.data_ptr<float>() : nullptr;
     const int kb = static_cast<int>(k_bits), vb = static_cast<int>(v_bits);
     const Skip sk = make_skip(skip);
-    const auto krows_ = make_code_rows(k_cent, kb, static_cast<int>(d)), vrows_ = make_code_rows(v_cent, vb, static_cast<int>(d));
-    const CodeRows &krows = *krows_, &vrows = *vrows_;
-    if (krows.trellis || vrows.trellis) {
+    if (k_cent.numel() != (int64_t{1} << kb) || v_cent.numel() != (int64_t{1} << vb)) {  // trellis codes on a side: rows decoded in L1
+      const auto krows_ = make_code_rows(k_cent, kb, static_cast<int>(d)), vrows_ = make_code_rows(v_cent, vb, static_cast<int>(d));
+      const CodeRows &krows = *krows_, &vrows = *vrows_;
       tq_rows_attention(q.data_ptr<float>(), off, k_codes.data_ptr<uint8_t>(), head_stride(k_codes, "k_codes"), k_norm.data_ptr<at::Half>(),
                         head_stride(k_norm, "k_norm"), krows, KL.nbytes, v_codes.data_ptr<uint8_t>(), head_stride(v_codes, "v_codes"),
                         v_norm.data_ptr<at::Half>(), head_stride(v_norm, "v_norm"), vrows, VL.nbytes, B * H, static_cast<int>(R), T,
