@@ -281,7 +281,7 @@ def test_default_candidates_seeded_method_differs_from_the_registered_one_by_its
 
     monkeypatch.setattr(registry, "METHODS", dict(registry.METHODS))  # the script registers "candidate": undo it after
     monkeypatch.setattr(registry, "_CANONICAL", list(registry._CANONICAL))
-    path = Path(__file__).resolve().parents[1] / "scripts" / "default_candidates.py"
+    path = Path(__file__).resolve().parents[1] / "experiments" / "default_candidates.py"
     spec = importlib.util.spec_from_file_location("default_candidates", path)
     spec.loader.exec_module(importlib.util.module_from_spec(spec))
     base = registry.get_method("turboquant:k3v2")

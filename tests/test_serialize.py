@@ -17,6 +17,7 @@ from transformers import Gemma3ForCausalLM, Gemma3TextConfig, MistralConfig, Mis
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
 import kvpack
+from kvpack import support
 from kvpack.cache import serialize
 from kvpack.cache.serialize import CacheFileError, MissingCacheFileError, load_cache, read_header, save_cache
 from kvpack.codecs.base import Codec
@@ -389,7 +390,7 @@ def _failing_write(f, data: bytes) -> None:
 
 def test_failed_write_leaves_no_file(tiny, tmp_path, monkeypatch):
     cache, _ = _filled(tiny, "int8")
-    monkeypatch.setattr(serialize, "_write", _failing_write)
+    monkeypatch.setattr(support, "write_bytes", _failing_write)
     with pytest.raises(OSError, match="simulated"):
         save_cache(cache, tmp_path / "c")
     assert os.listdir(tmp_path) == []  # neither the file nor a temporary one
@@ -399,7 +400,7 @@ def test_failed_write_keeps_the_old_file(tiny, saved, tmp_path, monkeypatch):
     path = _copy(saved[False], tmp_path / "c")
     before = path.read_bytes()
     cache, _ = _filled(tiny, "int8")
-    monkeypatch.setattr(serialize, "_write", _failing_write)
+    monkeypatch.setattr(support, "write_bytes", _failing_write)
     with pytest.raises(OSError, match="simulated"):
         save_cache(cache, path, compress=True)
     assert path.read_bytes() == before and os.listdir(tmp_path) == ["c"]

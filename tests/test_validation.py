@@ -107,7 +107,7 @@ def test_positions_reading_methods_from_a_config_read_the_rotary_module_transfor
 def test_a_config_without_a_readable_rotary_module_names_the_fix(llama, monkeypatch):
     from kvpack.cache import kvcache
 
-    monkeypatch.setattr(kvcache, "_rotary_from_config", lambda text: None)
+    monkeypatch.setattr(kvcache, "rotary_from_config", lambda text: None)
     with pytest.raises(ValueError, match=r"reads token positions .* pass the model itself \(KVCache\(model, \.\.\.\)\)"):
         kvpack.KVCache(llama.config, "shard")
     kvpack.KVCache(llama.config, "int8")  # methods that keep RoPE'd keys need no rotary module

@@ -9,100 +9,22 @@ naming its canonical variants, which `list_methods()` returns.
 
 from __future__ import annotations
 
-import importlib
 import math
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
 
-from .codecs.base import Codec
+from .codecs.spec import CODECS, CONFIG_CLASSES, CodecSpec, load_class
 
-CODECS: dict[str, str] = {
-    "fp16": "kvpack.codecs.fp16:Fp16Codec",
-    "int8": "kvpack.codecs.int8:Int8Codec",
-    "turboquant": "kvpack.codecs.turboquant:TurboQuantCodec",
-    "polarquant-int4": "kvpack.codecs.polarquant:PolarQuantCodec",
-    "qjl": "kvpack.codecs.qjl:QJLCodec",
-    "kivi": "kvpack.codecs.kivi:KiviCodec",
-    "pca": "kvpack.codecs.pca:PCAKeyCodec",
-    "vq": "kvpack.codecs.vq:VQValueCodec",
-    "kvquant-key": "kvpack.codecs.kvquant:KVQuantKeyCodec",
-    "kvquant-value": "kvpack.codecs.kvquant:KVQuantValueCodec",
-    "subspace": "kvpack.codecs.subspace:SubspaceCodec",
-    "heads": "kvpack.codecs.heads:HeadsCodec",
-}
-
-CONFIG_CLASSES: dict[str, str] = {
-    "fp16": "kvpack.codecs.fp16:Fp16Config",
-    "int8": "kvpack.codecs.int8:Int8Config",
-    "turboquant": "kvpack.codecs.turboquant:TurboQuantConfig",
-    "polarquant-int4": "kvpack.codecs.polarquant:PolarQuantConfig",
-    "qjl": "kvpack.codecs.qjl:QJLConfig",
-    "kivi": "kvpack.codecs.kivi:KiviConfig",
-    "pca": "kvpack.codecs.pca:PCAConfig",
-    "vq": "kvpack.codecs.vq:VQConfig",
-    "kvquant-key": "kvpack.codecs.kvquant:KVQuantConfig",
-    "kvquant-value": "kvpack.codecs.kvquant:KVQuantConfig",
-    "subspace": "kvpack.codecs.subspace:SubspaceConfig",
-    "heads": "kvpack.codecs.heads:HeadsConfig",
-}
-
+__all__ = [
+    "CODECS", "CONFIG_CLASSES", "DEFAULT_GRAIN", "DEFAULT_METHOD", "EXACT_DTYPES", "GRAINS", "CodecSpec", "LayerCodecs", "MethodConfig", "Tier",
+    "apply_suffixes", "get_method", "list_methods", "method", "parse_auto", "parse_target", "split_suffixes", "target_name",
+]
 
 EXACT_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "native": None}
-
-
-def _load(path: str) -> Any:
-    module, attr = path.split(":")
-    return getattr(importlib.import_module(module), attr)
-
-
-@dataclass(frozen=True)
-class CodecSpec:
-    """A codec name and the keyword options of its config dataclass.
-
-    The config is built here, once, so an unknown or invalid option fails when the spec (and so the
-    method or cache) is made, not at the first flush mid-generate.
-    """
-
-    codec: str
-    options: dict[str, Any] = field(default_factory=dict)
-    _config: Any = field(init=False, repr=False, compare=False)  # set once in __post_init__
-
-    def __post_init__(self):
-        if self.codec not in CODECS:
-            raise ValueError(f"unknown codec {self.codec!r}; available: {sorted(CODECS)}")
-        if not isinstance(self.options, dict):
-            raise TypeError(f"options must be a dict of the codec config's fields, got {type(self.options).__name__}")
-        config_class = _load(CONFIG_CLASSES[self.codec])
-        allowed = [f.name for f in fields(config_class)]
-        unknown = sorted(set(self.options) - set(allowed))
-        if unknown:
-            raise ValueError(f"codec {self.codec!r} has no option {', '.join(map(repr, unknown))}; its options are {allowed or 'none'}")
-        try:
-            config = config_class(**self.options)
-        except (TypeError, ValueError) as err:  # e.g. a string where a number goes
-            raise ValueError(f"codec {self.codec!r}: {err}") from err
-        object.__setattr__(self, "_config", config)
-
-    @property
-    def config(self) -> Any:
-        """The codec's validated, frozen config dataclass."""
-        return self._config
-
-    @property
-    def codec_class(self) -> type[Codec]:
-        return _load(CODECS[self.codec])
-
-    @property
-    def uses_positions(self) -> bool:
-        """Whether this codec reads token positions and the model's rotary embedding (`Codec.needs_positions`)."""
-        return self.codec_class.needs_positions(self.config)
-
-    def build(self, head_dim: int, kv_heads: int, layer_idx: int = 0) -> Codec:
-        return self.codec_class(self.config, head_dim, kv_heads, layer_idx)
 
 
 @dataclass(frozen=True)
@@ -206,7 +128,7 @@ class MethodConfig:
         if isinstance(ratio, bool) or not isinstance(ratio, int | float) or not (ratio == 0 or 1 < ratio <= MAX_PROMPT_RATIO):
             raise ValueError(f"prompt_ratio must be 0 (no byte target) or a number above 1 and at most {MAX_PROMPT_RATIO} (e.g. 10 for 10x), got {ratio!r}")
         if ratio and (self.prefill_value is None or not self.prefill_value.codec_class.fits_to_budget):
-            fitting = sorted(name for name, path in CODECS.items() if _load(path).fits_to_budget)
+            fitting = sorted(name for name, path in CODECS.items() if load_class(path).fits_to_budget)
             raise ValueError(f"method {self.name!r}: a prompt byte target needs a prompt value codec that sizes itself to a "
                              f"byte budget ({fitting}), e.g. 'shard:10x'; got {self.prefill_value and self.prefill_value.codec!r}")
 
@@ -538,9 +460,39 @@ def _tiered(arg: str) -> MethodConfig:
     return MethodConfig(f"tiered:{after}", *warm, tiers=(archive,))
 
 
-def _auto(arg: str) -> MethodConfig:
-    from .auto import parse_auto
+# -- auto:<target>: the name's grammar (the allocation itself is kvpack.allocator's) -------------------------
+_TARGET = re.compile(r"(\d+(?:\.\d*)?|\.\d+)%")
 
+
+def parse_target(arg: str) -> float:
+    """'1%' -> 0.01: the allowed perplexity increase over the uncompressed cache, a fraction in (0, 1]."""
+    match = _TARGET.fullmatch(arg.strip()) if isinstance(arg, str) else None
+    value = float(match[1]) / 100 if match else math.nan
+    if not 0 < value <= 1:
+        raise ValueError(f"auto takes a perplexity target in percent, above 0 and at most 100 (auto:<number>%, e.g. auto:0.5%, auto:1%, auto:2%), got {arg!r}")
+    return value
+
+
+# What one width covers: a (layer, side) (`auto:1%/layer`) or a (layer, side, kv head) (`auto:1%/head`, when the profile
+# splits its KL over heads: `has_head_shares`); `auto:1%` is DEFAULT_GRAIN.
+GRAINS = ("layer", "head")
+DEFAULT_GRAIN = "layer"
+
+
+def parse_auto(arg: str) -> tuple[float, str]:
+    """'1%' -> (0.01, DEFAULT_GRAIN); '1%/head' -> (0.01, "head"): the target and the grain widths are allocated at."""
+    target, slash, grain = arg.partition("/") if isinstance(arg, str) else (arg, "", "")
+    if slash and grain not in GRAINS:
+        raise ValueError(f"auto takes auto:<target>%, auto:<target>%/layer (one width per layer and K/V) or auto:<target>%/head "
+                         f"(one per kv head), got auto:{arg}")
+    return parse_target(target), grain or DEFAULT_GRAIN
+
+
+def target_name(target: float, grain: str = DEFAULT_GRAIN) -> str:
+    return f"auto:{100 * target:g}%" + ("" if grain == DEFAULT_GRAIN else f"/{grain}")
+
+
+def _auto(arg: str) -> MethodConfig:
     parse_auto(arg)  # a malformed target fails with the form it takes
     raise ValueError(
         f"auto:{arg} allocates bits from the model's calibration profile, so it needs the model: pass it to "

@@ -28,6 +28,13 @@ from pathlib import Path
 
 import torch
 
+import kvpack
+from kvpack.cache.adaptive import AdaptiveArchive, AdaptiveConfig, AdaptiveThresholds, adapt
+from kvpack.eval.perplexity import perplexity
+from kvpack.eval.stats import ppl_delta_ci
+from kvpack.models import load_model
+from kvpack.text import token_stream
+
 from .env import environment
 
 PROG = "python -m kvpack.bench.adaptive"
@@ -35,10 +42,6 @@ PROG = "python -m kvpack.bench.adaptive"
 
 def _run(model, ids, method: str, args, controller=None) -> tuple[dict, object]:
     """One pass over the scored tokens; with `controller`, `adapt` runs after every forward."""
-    import kvpack
-    from kvpack.cache.tracker import AdaptiveThresholds, adapt
-    from kvpack.eval.perplexity import perplexity
-
     cache = kvpack.KVCache(model, method, tracker=kvpack.QualityTracker(args.fraction, seed=args.seed))
     trace: list[tuple] = []  # (tokens held, boundary, samples, converged, archive bits or None) after each forward
 
@@ -84,12 +87,6 @@ def _convergence(trace: list[tuple], controller) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import kvpack
-    from kvpack.cache.tracker import AdaptiveArchive, AdaptiveConfig, AdaptiveThresholds
-    from kvpack.eval.stats import ppl_delta_ci
-    from kvpack.models import load_model
-    from kvpack.text import token_stream
-
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--method", default="tiered:512:tq", help="a method with an older tier (kvpack methods lists tiered:*)")
@@ -121,7 +118,6 @@ def main(argv: list[str] | None = None) -> int:
     model, tok = load_model(args.model)
     kvpack.enable(model)
     ids = token_stream(tok, "news", args.context + args.tokens + 1)
-    from kvpack.eval.perplexity import perplexity
 
     base = perplexity(model, ids, kvpack.KVCache(model, "fp16"), prefix=args.context, chunk=args.chunk, n_score=args.tokens, progress=False)
     print(f"{args.model}: fp16 ppl {base.ppl:.3f} over {args.tokens} tokens after a {args.context}-token prompt", flush=True)

@@ -27,6 +27,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from kvpack import auto
+from kvpack.eval.memory import memory_report
+from kvpack.eval.methods import BASELINE, MethodUnavailable, attention_for, make_cache
+from kvpack.eval.perplexity import delta, delta_ci, perplexity
+from kvpack.eval.stats import BootstrapConfig
+from kvpack.models import load_model
+from kvpack.text import token_stream
+
 from .env import environment
 
 PROG = "python -m kvpack.bench.auto"
@@ -35,10 +43,6 @@ FIXED = ["turboquant:k4v4", "turboquant:k4v3", "turboquant:k3v3", "turboquant:k4
 
 def _run(model, ids, method: str, args, reference: list[torch.Tensor] | None) -> tuple[dict, object, list[torch.Tensor]]:
     """One method's row, its PerplexityResult and its chunks' log-probabilities (kept for the baseline only)."""
-    from kvpack.eval.memory import memory_report
-    from kvpack.eval.methods import attention_for, make_cache
-    from kvpack.eval.perplexity import perplexity
-
     chunks: list[torch.Tensor] = []
     kl: list[torch.Tensor] = []
     probe: dict = {}
@@ -63,17 +67,12 @@ def _run(model, ids, method: str, args, reference: list[torch.Tensor] | None) ->
         per_token = torch.cat(kl)
         row |= {"kl": per_token.mean().item(), "kl_se": (per_token.std() / len(per_token) ** 0.5).item()}
     if method.startswith("auto:"):
-        from kvpack import auto
-
         target, _ = auto.parse_auto(method.removeprefix("auto:"))
         row |= {"target_pct": 100 * target, "kl_budget": math.log1p(target), **auto.summary(cache.method, auto.load_profile(model))}
     return row, result, chunks
 
 
 def _with_delta(row: dict, result, base, args) -> dict:
-    from kvpack.eval.perplexity import delta, delta_ci
-    from kvpack.eval.stats import BootstrapConfig
-
     row["ppl_delta_pct"], _ = delta(result, base)
     row["ppl_delta_ci"] = list(delta_ci(result, base, BootstrapConfig(seed=args.seed)))
     if "target_pct" in row:
@@ -133,10 +132,6 @@ def plot(rows: list[dict], path: str, title: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from kvpack.eval.methods import BASELINE, MethodUnavailable
-    from kvpack.models import load_model
-    from kvpack.text import token_stream
-
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--targets", default="0.5,1,2,4", help="comma-separated perplexity targets in percent")
@@ -155,7 +150,6 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    from kvpack import auto
 
     grains = [g for g in args.grains.split(",") if g]
     if any(g not in auto.GRAINS for g in grains):

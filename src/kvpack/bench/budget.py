@@ -21,15 +21,18 @@ from pathlib import Path
 
 import torch
 
+import kvpack
+from kvpack.eval.perplexity import perplexity
+from kvpack.eval.stats import ppl_delta_ci
+from kvpack.models import load_model
+from kvpack.text import token_stream
+
 from .env import environment
 
 PROG = "python -m kvpack.bench.budget"
 
 
 def _run(model, ids, method: str, budget, args) -> dict:
-    import kvpack
-    from kvpack.eval.perplexity import perplexity
-
     cache = kvpack.KVCache(model, method, budget=budget)
     peak = [0]
     hook = model.register_forward_hook(lambda *_: peak.__setitem__(0, max([peak[0], *(layer.nbytes() for layer in cache.compressed_layers())])))
@@ -51,11 +54,6 @@ def _run(model, ids, method: str, budget, args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import kvpack
-    from kvpack.eval.stats import ppl_delta_ci
-    from kvpack.models import load_model
-    from kvpack.text import token_stream
-
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--method", default=kvpack.DEFAULT_METHOD)

@@ -29,8 +29,10 @@ from typing import Any
 
 import torch
 
+from ..primitives import trellis
 from ..primitives.lloyd_max import expected_mse
 from ..registry import CodecSpec
+from .env import environment
 
 # (label, codec, options): the settings the registry's methods use, plus TurboQuant's full range.
 SETTINGS: list[tuple[str, str, dict[str, Any]]] = [
@@ -224,8 +226,6 @@ def trellis_rows(vectors: int, dims: tuple[int, ...] = (64, 128), train: int = 2
     coded as one trellis sequence of d coordinates scaled by sqrt(d) (so ~N(0, 1): the codebook is fitted once on
     Gaussian sequences, not on the test vectors, as a Lloyd-Max table is), against the Lloyd-Max optimum at k bits
     (`expected_mse`) and the Shannon bound 4^-bits at the trellis's own stored bits per value."""
-    from ..primitives import trellis
-
     rows = []
     for k, state_bits in TRELLIS:
         book = trellis.train_codebook(torch.randn(train, 64, generator=torch.Generator().manual_seed(1)), k, state_bits)
@@ -265,15 +265,11 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.trellis:
-        from .env import environment
-
         torch.set_num_threads(args.threads)
         rows = trellis_rows(args.vectors)
         (out / "codecs-trellis.json").write_text(json.dumps({"environment": environment("python -m kvpack.bench.codecs"), "rows": rows}, indent=1))
         return rows
     if args.peer:
-        from .env import environment
-
         torch.set_num_threads(args.threads)
         rows = encode_vs_turbokv(args.vectors)
         (out / "codecs-encode.json").write_text(json.dumps({"environment": environment("python -m kvpack.bench.codecs"), "rows": rows}, indent=1))

@@ -26,8 +26,16 @@ from pathlib import Path
 
 import torch
 
+import kvpack
+
+from ..auto import auto_method, parse_auto
+from ..cache.kvcache import KVCache
+from ..cache.layer import KVPackLayer
 from ..eval.generate import forward
 from ..eval.memory import memory_report
+from ..models import load_model, random_weights_model
+from ..registry import get_method
+from ..text import token_stream
 from .env import environment
 
 PROG = "python -m kvpack.bench.decode"
@@ -53,8 +61,6 @@ def prefill_dynamic(model, ids: torch.Tensor, chunk: int = 2048):
 def needs_queries(method) -> bool:
     """Whether `method` reads the prompt's queries (a prompt codec's fit, e.g. Shard's PCA rank, or its anchors),
     which only a real forward under `kvpack.enable` shows it."""
-    from ..registry import get_method
-
     config = get_method(method)
     spec = config.prefill_key
     return config.anchors > 0 or (spec is not None and spec.codec_class.fits_on_queries)
@@ -69,9 +75,6 @@ def fill_kvpack(model, method, source, ids: torch.Tensor | None = None) -> tuple
     prefill gives it (else Shard would fall back to its energy rank and anchors would not exist); the seconds
     then include that forward.
     """
-    from ..cache.kvcache import KVCache
-    from ..cache.layer import KVPackLayer
-
     cache = KVCache(model, method)
     start = time.perf_counter()
     if ids is not None and needs_queries(method):
@@ -138,8 +141,6 @@ def run_context(model, ids: torch.Tensor, methods: list[str], steps: int, warmup
 def _prompt_ids(tok, text: str, context: int, batch: int, vocab: int) -> torch.Tensor:
     """`[context]` prompt tokens, or `[batch, context]`: the text's tokens, each row rotated by its own offset
     (rows differ, one text suffices); random ids without a tokenizer (random weights)."""
-    from ..text import token_stream
-
     if tok is None:
         ids = torch.randint(vocab, (batch, context), generator=torch.Generator().manual_seed(context))
         return ids[0] if batch == 1 else ids
@@ -167,9 +168,6 @@ def plot(rows: list[dict], path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..models import load_model, random_weights_model
-    from ..registry import get_method
-
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--random-weights", action="store_true",
@@ -194,7 +192,6 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--methods must start with 'dynamic' (the reference)")
     for m in methods[1:]:
         if m.startswith("auto:"):  # its profile is read once the model is loaded
-            from ..auto import parse_auto
 
             parse_auto(m.removeprefix("auto:"))
         else:
@@ -209,10 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         model, tok = load_model(args.model, dtype=getattr(torch, args.dtype))
         model.to(args.device)
-    import kvpack
 
     kvpack.enable(model)
-    from ..auto import auto_method
 
     configs = {m: auto_method(model, m) for m in methods if m.startswith("auto:")}  # a missing profile fails now, naming the command
     rows: list[dict] = []

@@ -20,6 +20,12 @@ from pathlib import Path
 
 import torch
 
+import kvpack
+from kvpack.bench.env import environment
+from kvpack.cache.layer import FIT_QUERIES, KVPackLayer
+from kvpack.models import load_model
+from kvpack.text import token_stream
+
 PROG = "python -m kvpack.bench.layers"
 
 
@@ -59,8 +65,6 @@ def stored(spec, x: torch.Tensor, layer, positions: torch.Tensor, queries: torch
     """`x (1, heads, tokens, d)` as `layer` (a `KVPackLayer`) would store it with `spec`'s codec: fitted on the prompt
     (positions and RoPE, the prompt's last queries for codecs that read them), encoded, decoded, the first `sinks` tokens
     exact. Returns (codec, packed, x_hat float32)."""
-    from kvpack.cache.layer import FIT_QUERIES
-
     codec = spec.build(x.shape[-1], x.shape[1], layer.layer_idx)
     if codec.uses_positions:
         codec.set_rope(*layer.rope)
@@ -74,9 +78,6 @@ def stored(spec, x: torch.Tensor, layer, positions: torch.Tensor, queries: torch
 @torch.no_grad()
 def layer_errors(model, ids: torch.Tensor, methods: list[str]) -> list[dict]:
     """Rows `{layer, method, side, attn_error, bits_per_value}` for every compressed layer, method and side."""
-    import kvpack
-    from kvpack.cache.layer import KVPackLayer
-
     qkv = prompt_qkv(model, ids)
     layers = kvpack.KVCache(model, methods[0]).layers
     positions = torch.arange(ids.shape[1])[None]
@@ -115,10 +116,6 @@ def plot(rows: list[dict], path: str, title: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from kvpack.bench.env import environment
-    from kvpack.models import load_model
-    from kvpack.text import token_stream
-
     ap = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--prefix", type=int, default=8192, help="prompt tokens of the news text")

@@ -26,6 +26,18 @@ from pathlib import Path
 
 import torch
 
+import kvpack
+from kvpack import CodecSpec, get_method
+from kvpack.bench.env import environment
+from kvpack.bench.layers import causal_attention_error, prompt_qkv, stored
+from kvpack.cache.layer import KVPackLayer
+from kvpack.codecs.pca import PCAKeyCodec
+from kvpack.eval import needle
+from kvpack.eval.generate import forward
+from kvpack.eval.perplexity import perplexity
+from kvpack.registry import MethodConfig
+from kvpack.text import token_stream
+
 OUT = Path("bench/results")
 # (label, PCA options, VQ options) for the quality-vs-budget curve, on top of the method's own options.
 # The stored curve rows were measured before the current default (energy 0.90, per-token value RMS),
@@ -48,8 +60,6 @@ CONTROLS: list[tuple[str, str, None]] = [("kvpack fp16 (control)", "fp16", None)
 
 
 def _method(pca: dict | None = None, vq: dict | None = None, stream: str = ""):
-    from kvpack import CodecSpec, get_method
-
     base = get_method("shard" + (f":{stream}" if stream else ""))
     if not pca and not vq:
         return base
@@ -60,8 +70,6 @@ def _method(pca: dict | None = None, vq: dict | None = None, stream: str = ""):
 
 def ablation_methods() -> list[tuple[str, object]]:
     """Shard with one half made (nearly) lossless, to see which half costs perplexity."""
-    from kvpack import CodecSpec, get_method
-
     base = get_method("shard")
     no_norm = CodecSpec("vq", {**base.prefill_value.options, "token_norm": False})
     tight = CodecSpec("pca", {**base.prefill_key.options, "score_error": 0.01})
@@ -78,8 +86,6 @@ def ablation_methods() -> list[tuple[str, object]]:
 def _cache(model, method):
     """`method` None: the uncompressed DynamicCache (kvpack attention disabled); else a KVCache (enabled)."""
     from transformers import DynamicCache
-
-    import kvpack
 
     if method is None:
         kvpack.disable(model)
@@ -99,15 +105,11 @@ def _append(path: Path, row: dict) -> None:
 
 
 def _load(name: str):
-    import kvpack
-
     torch.manual_seed(0)
     return kvpack.load_model(name)
 
 
 def _decode_speed(model, cache, logits, steps: int) -> float:
-    from kvpack.eval.generate import forward
-
     times = []
     for _ in range(steps):
         token = logits[0, -1].argmax().view(1)
@@ -120,9 +122,6 @@ def _decode_speed(model, cache, logits, steps: int) -> float:
 @torch.no_grad()
 def run_context(name: str, contexts: list[int], decode: int, out: Path, baseline: bool = True, config: int = 0) -> None:
     """Prefill `n` news tokens into shard and into a DynamicCache: real bytes, prefill time, decode tok/s."""
-    from kvpack.eval.generate import forward
-    from kvpack.text import token_stream
-
     model, tok = _load(name)
     for n in contexts:
         ids = token_stream(tok, "news", n)
@@ -151,11 +150,6 @@ def run_context(name: str, contexts: list[int], decode: int, out: Path, baseline
 @torch.no_grad()
 def run_ppl(name: str, configs: list[tuple[str, dict, dict]], out: Path, file: str, prefix: int = 2048, n_score: int = 512, chunk: int = 256) -> None:
     """Perplexity of `n_score` news tokens after a `prefix`-token prefill, per config, plus the DynamicCache baseline."""
-    from kvpack import get_method
-    from kvpack.eval.perplexity import perplexity
-    from kvpack.registry import MethodConfig
-    from kvpack.text import token_stream
-
     model, tok = _load(name)
     ids = token_stream(tok, "news", prefix + n_score + 1)
     path = out / f"shard_{file}_{name}.json"
@@ -184,8 +178,6 @@ def run_ppl(name: str, configs: list[tuple[str, dict, dict]], out: Path, file: s
 
 @torch.no_grad()
 def run_needle(name: str, lengths: list[int], depths: list[float], out: Path) -> None:
-    from kvpack.eval import needle
-
     model, tok = _load(name)
     for label, method in (("dynamic", None), ("shard", _method())):
         trials = needle.needle_grid(model, tok, lambda m=method: _cache(model, m), lengths, depths, "news", 0, 10, progress=False)
@@ -197,8 +189,6 @@ def run_needle(name: str, lengths: list[int], depths: list[float], out: Path) ->
 
 def _key_stats(cache) -> dict:
     """PCA rank kept (after the DP dropped groups) and key bits per element, averaged over layers."""
-    from kvpack.codecs.pca import PCAKeyCodec
-
     codecs = [layer._codecs.get("prefill_key") for layer in cache.layers if hasattr(layer, "_codecs")]
     codecs = [c for c in codecs if isinstance(c, PCAKeyCodec)]  # ablations may hold the prompt's keys in int8
     if not codecs:
@@ -334,12 +324,6 @@ def run_layers(name: str, prefix: int, out: Path) -> None:
     The prompt's last 128 queries choose the query-measured rank, as the cache does under kvpack attention;
     queries from the prompt's second half score the attention error. Sinks stay exact, as in the cache.
     """
-    import kvpack
-    from kvpack.bench.env import environment
-    from kvpack.bench.layers import causal_attention_error, prompt_qkv, stored
-    from kvpack.cache.layer import KVPackLayer
-    from kvpack.text import token_stream
-
     model, tok = _load(name)
     ids = token_stream(tok, "news", prefix)[None]
     qkv = prompt_qkv(model, ids)

@@ -25,6 +25,12 @@ from pathlib import Path
 
 import torch
 
+from .. import list_methods
+from ..cache.serialize import ZSTD_LEVEL, _zstd, collect, load_cache, save_cache
+from ..models import load_model
+from ..registry import get_method
+from ..text import token_stream
+from .decode import fill_kvpack, prefill_dynamic
 from .env import environment
 
 PROG = "python -m kvpack.bench.storage"
@@ -50,16 +56,12 @@ def _parts(path: Path) -> dict[str, int]:
 
 def _same(a, b) -> bool:
     """Every tensor a file would hold is equal (and the layouts too) between two caches."""
-    from ..cache.serialize import collect
-
     (ta, la), (tb, lb) = collect(a), collect(b)
     return la == lb and ta.keys() == tb.keys() and all(ta[k].dtype == tb[k].dtype and torch.equal(ta[k], tb[k]) for k in ta)
 
 
 def measure(model, cache, directory: Path, io_threads: int = 1) -> dict:
     """One row: memory, plain and compressed files (bytes, parts, save/load seconds), checked bit-exact."""
-    from ..cache.serialize import load_cache, save_cache
-
     threads = torch.get_num_threads()
     torch.set_num_threads(io_threads)
     try:
@@ -101,13 +103,6 @@ def _print_row(row: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .. import list_methods
-    from ..cache.serialize import ZSTD_LEVEL, _zstd
-    from ..models import load_model
-    from ..registry import get_method
-    from ..text import token_stream
-    from .decode import fill_kvpack, prefill_dynamic
-
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--context", type=int, default=2048)

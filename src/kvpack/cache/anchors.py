@@ -26,6 +26,8 @@ import functools
 import torch
 
 from ..codecs.base import Codec, Packed, concat_packed, gather_packed
+from ..primitives.attention_mass import most_attended, received_attention
+from .placement import PlacementPolicy
 
 KIND = "anchors"  # the exact anchors' part in a decode step's partials (the tracker counts it as exact)
 
@@ -206,3 +208,33 @@ class AnchorSet:
         for p in self.parts:
             full = p.overwrite(full, side)
         return full
+
+
+class AttentionAnchors(PlacementPolicy):
+    """Keep exact the compressed tokens the latest queries attend to most (`MethodConfig.anchors` of them).
+
+    The prompt keeps that fraction of its tokens (at least one); each later flush keeps the same fraction of its block,
+    owed across blocks (the layer's `anchor_credit`, a fraction of a token carried over), so anchors cover the whole
+    context, not only the prompt. No anchors when none is due or no queries were seen (no kvpack attention)."""
+
+    def keep_exact(self, layer, start: int, n: int, first: bool) -> torch.Tensor | None:
+        share = layer.method.anchors
+        if not share or layer.fit_queries is None or layer.fit_scaling is None:
+            return None
+        if first:
+            count = min(n, max(1, round(share * n)))
+        else:
+            layer.anchor_credit += share * n
+            count = min(n, int(layer.anchor_credit))
+            layer.anchor_credit -= count
+            if not count:
+                return None
+        # Every exact token: the whole context at the prompt's flush; later, the sinks and the window, which holds
+        # the block and the queries' own tokens (the compressed tokens' share of each query is left out of the
+        # normalization, which shifts how much each query weighs, not the order of the tokens it reads).
+        keys = torch.cat([layer.sink_k, layer.win_k], dim=2)
+        rows = min(layer.fit_queries.shape[2], layer.win_k.shape[2] if not first else keys.shape[2])
+        first_valid = layer.pad  # left padding sits in the sinks; its keys are never attended
+        mass = received_attention(layer.fit_queries[:, :, -rows:], keys, layer.fit_scaling, first_valid)
+        lo = start if first else layer.sink_k.shape[2]  # where the block sits among those keys
+        return most_attended(mass[:, lo : lo + n], count).to(layer.win_k.device)

@@ -26,8 +26,11 @@ import warnings
 from dataclasses import dataclass, field
 
 import torch
+from transformers import DynamicCache
 
 from ..registry import EXACT_DTYPES
+from ..support import cache_kwargs
+from .placement import PlacementPolicy
 
 LOG = logging.getLogger("kvpack.budget")
 
@@ -135,6 +138,15 @@ def check_share(layer, key_states: torch.Tensor, value_states: torch.Tensor) -> 
         )
 
 
+class BudgetPolicy(PlacementPolicy):
+    """After every forward (a flush or not: the window grows between flushes), bring a layer over its share of the
+    cache's `MemoryBudget` back within it (`enforce`); inert for a layer without a budget."""
+
+    def after_flush(self, layer, flushed: bool) -> None:
+        if layer.budget is not None:
+            enforce(layer)
+
+
 def enforce(layer) -> None:
     """Bring `layer` within its share after a flush: demote warm blocks (if allowed), then evict the oldest."""
     share = layer.budget
@@ -215,10 +227,6 @@ def rematerialize(cache, model) -> int:
 
 def _prefill(model, ids: torch.Tensor, layer):
     """An exact prefill of `ids (batch, n)` into a fresh DynamicCache, with the cache's padding and positions."""
-    from transformers import DynamicCache
-
-    from ..eval.generate import cache_kwargs
-
     kwargs = {}
     if layer.pad is not None:
         idx = torch.arange(ids.shape[1], device=ids.device)

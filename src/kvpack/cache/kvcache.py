@@ -3,43 +3,26 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 
 import torch
 from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
 
 from .. import kernels
+from ..allocator import auto_method
 from ..primitives.validation import DEBUG
 from ..registry import DEFAULT_METHOD, MethodConfig, apply_suffixes, get_method, split_suffixes
+from ..support import layer_kinds, rope_per_layer, rotary_from_config, text_config
+from . import serialize
 from .budget import BudgetEvent, LayerShare, MemoryBudget, PromptTarget, rematerialize
 from .layer import PENDING, KVPackLayer, deepcopy_sharing
+from .placement import Placement, PlacementPolicy
+from .policies import build_placement
 from .tracker import QualityTracker
 
 # Architectures whose attention modules were verified to call `past_key_values.update` with
 # post-RoPE keys and dispatch through AttentionInterface (transformers 5.x).
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "gemma2", "phi3", "olmo2", "smollm3", "granite")
-
-
-def _text_config(model_or_config):
-    config = getattr(model_or_config, "config", model_or_config)
-    if not hasattr(config, "get_text_config"):
-        raise ValueError(f"KVCache needs a transformers model or PretrainedConfig, got {type(model_or_config).__name__}")
-    return config, config.get_text_config(decoder=True)
-
-
-def layer_kinds(text_config) -> list[tuple[str, int | None]]:
-    """(attention kind, window) of every layer, inferred as transformers' `DynamicCache(config=...)` does.
-
-    `layer_types` when the config has it; otherwise a layer is "sliding_attention" when the config sets
-    `sliding_window` (Mistral: every layer keeps only the window), "chunked_attention" when it sets
-    `attention_chunk_size`, else "full_attention" (transformers 5.x `get_layer_types_and_kwargs`).
-    """
-    n_layers = text_config.num_hidden_layers
-    window, chunk = getattr(text_config, "sliding_window", None), getattr(text_config, "attention_chunk_size", None)
-    types = getattr(text_config, "layer_types", None)
-    if types is None:
-        kind = "sliding_attention" if window is not None else "chunked_attention" if chunk is not None else "full_attention"
-        types = [kind] * n_layers
-    return [(t, window if t == "sliding_attention" else chunk if t == "chunked_attention" else None) for t in types]
 
 
 def left_padding(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -85,8 +68,6 @@ def _resolve(method: str | MethodConfig, model_or_config) -> MethodConfig:
     if suffixes:  # `name@seed=N`, `name@anchors=P%`: options of the same method
         return apply_suffixes(_resolve(base, model_or_config), suffixes)
     if isinstance(method, str) and method.partition(":")[0] == "auto":
-        from ..auto import auto_method
-
         return auto_method(model_or_config, method)
     return get_method(method)
 
@@ -115,49 +96,7 @@ def _check_codecs(method: MethodConfig, text, model_type: str) -> None:
             )
 
 
-def _rope_per_layer(model, kinds: list[tuple[str, int | None]]) -> list[tuple[torch.Tensor, float] | None]:
-    """(inv_freq, attention_scaling) of each layer, read from the model's rotary modules."""
-    if model is None or not hasattr(model, "modules"):
-        return [None] * len(kinds)
-    emb = [m for m in model.modules() if hasattr(m, "inv_freq") and hasattr(m, "attention_scaling")]
-    if not emb:
-        # Gemma3-style rotary modules keep one buffer per layer type.
-        emb = [m for m in model.modules() if any(n.endswith("inv_freq") for n, _ in m.named_buffers(recurse=False))]
-    if not emb:
-        return [None] * len(kinds)
-    rotary = emb[0]
-    out = []
-    for layer_type, _ in kinds:
-        inv = getattr(rotary, f"{layer_type}_inv_freq", None)
-        if inv is None:
-            inv = getattr(rotary, "inv_freq", None)
-        scaling = getattr(rotary, f"{layer_type}_attention_scaling", getattr(rotary, "attention_scaling", 1.0))
-        out.append(None if inv is None else (inv.detach().float().clone(), float(scaling)))
-    return out
-
-
-def _rotary_from_config(text) -> torch.nn.Module | None:
-    """The rotary-embedding module transformers builds for this (text) config's model type, wrapped for `_rope_per_layer`;
-    None when the model type has no single `*RotaryEmbedding` class or it cannot be built from the config."""
-    import importlib
-
-    import transformers
-    from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
-
-    name = MODEL_MAPPING_NAMES.get(getattr(text, "model_type", ""))
-    model_class = getattr(transformers, name, None) if name else None
-    if model_class is None:
-        return None
-    module = importlib.import_module(model_class.__module__)
-    classes = [getattr(module, n) for n in dir(module) if n.endswith("RotaryEmbedding")]
-    if len(classes) != 1:
-        return None
-    try:
-        return torch.nn.ModuleList([classes[0](config=text)])
-    except (AttributeError, KeyError, TypeError, ValueError):  # a config this class cannot read: the caller names the fix
-        return None
-
-
+@serialize.register_cache_type
 class KVCache(Cache):
     """A compressed KV cache to pass as `model.generate(past_key_values=...)`.
 
@@ -169,7 +108,9 @@ class KVCache(Cache):
     transformers' own bounded window; every full-attention layer is compressed. tracker: a
     `QualityTracker` to measure codec fidelity on flushed blocks (see `track`). budget: a `MemoryBudget`
     (bytes held after any forward; needs `kvpack.enable(model)`): past it the cache compresses further, then
-    evicts its oldest blocks, whose K/V `rematerialize(model)` recomputes (kvpack/cache/budget.py).
+    evicts its oldest blocks, whose K/V `rematerialize(model)` recomputes (kvpack/cache/budget.py). placement: the
+    policies that decide where blocks go, when they move, what stays exact and what the budget evicts, by name
+    (`kvpack.cache.policies.POLICIES`) or as objects, in order (kvpack/cache/placement.py); None: anchors, tiers, budget.
     """
 
     def __init__(
@@ -179,8 +120,9 @@ class KVCache(Cache):
         allow_untested: bool = False,
         tracker: QualityTracker | None = None,
         budget: MemoryBudget | None = None,
+        placement: Placement | Sequence[str | PlacementPolicy] | None = None,
     ):
-        config, text = _text_config(model_or_config)
+        config, text = text_config(model_or_config)
         model_type = getattr(text, "model_type", "?")
         if model_type not in SUPPORTED_MODEL_TYPES and not allow_untested:
             raise ValueError(
@@ -189,13 +131,14 @@ class KVCache(Cache):
             )
         self.method = _resolve(method, model_or_config)
         self.model_config = config
+        chosen = build_placement(placement)  # before any layer: a bad policy name fails here
         model = model_or_config if hasattr(model_or_config, "config") else None
         kinds = layer_kinds(text)
         if any(kind == "full_attention" for kind, _ in kinds):
             _check_codecs(self.method, text, model_type)
         needs_rope = _uses_positions(self.method)
         # From a config, the rotary module the model itself would build from it: the same inv_freq and scaling.
-        ropes = _rope_per_layer(model if model is not None else (_rotary_from_config(text) if needs_rope else None), kinds)
+        ropes = rope_per_layer(model if model is not None else (rotary_from_config(text) if needs_rope else None), kinds)
         layers = []
         for idx, (kind, window) in enumerate(kinds):
             if kind in ("sliding_attention", "chunked_attention"):
@@ -209,6 +152,8 @@ class KVCache(Cache):
                         "model itself (KVCache(model, ...)) or use a method without positions (e.g. 'turboquant:k3v2', 'int8')"
                     )
                 layers.append(KVPackLayer(self.method.for_layer(idx), idx, config, ropes[idx]))
+                if placement is not None:
+                    layers[-1].placement = chosen
             else:
                 raise ValueError(f"layer {idx} of {model_type!r} has type {kind!r}; kvpack handles full and sliding attention only")
         if not any(isinstance(layer, KVPackLayer) for layer in layers):
@@ -396,16 +341,12 @@ class KVCache(Cache):
         token_ids: the tokens the cache holds, kept in the header (`kvpack.cache.serialize.read_header`).
         Returns bytes on disk and in memory and the seconds taken. Format: docs/storage.md.
         """
-        from .serialize import save_cache
-
-        return save_cache(self, path, token_ids=token_ids, compress=compress)
+        return serialize.save_cache(self, path, token_ids=token_ids, compress=compress)
 
     @classmethod
     def load(cls, path, model) -> KVCache:
         """A cache saved by `save`, for `model`; a file for another model or a damaged file is refused."""
-        from .serialize import load_cache
-
-        return load_cache(path, model)
+        return serialize.load_cache(path, model)
 
     def memory_report(self) -> dict:
         """Bytes actually held by the cache's tensors, per segment kind, next to an fp16 DynamicCache.

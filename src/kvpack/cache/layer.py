@@ -17,12 +17,13 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from ..codecs.base import ByteBudget, Codec, Packed, slice_packed
-from ..primitives.attention_mass import most_attended, received_attention
 from ..primitives.validation import abs_max, checks_values
 from ..registry import EXACT_DTYPES, CodecSpec, MethodConfig
-from . import budget
 from .anchors import AnchorSet
 from .blocks import BlockRun
+from .budget import check_share
+from .placement import Placement
+from .policies import DEFAULT_PLACEMENT
 
 # The layer whose update kvpack attention must read next, per thread: if the model's attention finds
 # no layer tag on its keys (code between update and attention rebuilt the tensor), it can tell that
@@ -144,6 +145,9 @@ class KVPackLayer(CacheLayerMixin):
     tracker = None  # a kvpack.cache.tracker.QualityTracker, set by KVCache.track; told of every flushed block
     budget = None  # a kvpack.cache.budget.LayerShare, set by KVCache.set_budget: bytes this layer may hold after a forward
     prompt_target = None  # a kvpack.cache.budget.PromptTarget, set by KVCache for a method with a prompt_ratio
+    # Where blocks go, when they move, what stays exact and what a budget evicts (kvpack.cache.placement); KVCache sets
+    # another for `KVCache(..., placement=...)`.
+    placement: Placement = DEFAULT_PLACEMENT
 
     def __init__(self, method: MethodConfig, layer_idx: int, model_config=None, rope: tuple[torch.Tensor, float] | None = None):
         super().__init__()
@@ -389,7 +393,7 @@ class KVPackLayer(CacheLayerMixin):
         """
         if self.segments:
             # A decode step that flushes nothing skips this (no per-step copy).
-            if self._anchors_later() and self.win_k.shape[2] - self.method.window >= self.method.block_size:
+            if self.method.anchors and self.win_k.shape[2] - self.method.window >= self.method.block_size:
                 self.fit_scaling = scaling
                 self.fit_queries = query[:, :, -FIT_QUERIES:].detach().float()
             return
@@ -404,24 +408,23 @@ class KVPackLayer(CacheLayerMixin):
 
     def _fits_on_queries(self) -> bool:
         """Whether a prompt codec of this method uses queries in its fit (only then are they kept)."""
-        return self.method.prefill_key is not None and any(self._codec("prefill", side).fits_on_queries for side in ("key", "value"))
+        return self.method.prefill_key is not None and any(self.codec("prefill", side).fits_on_queries for side in ("key", "value"))
 
     def flush(self) -> None:
         """Compress what overflows the window (called after attention read it), then keep the memory budget."""
         self.pending_attention = False
-        self._flush_blocks()
+        flushed = self._flush_blocks()
         if self.segments:  # after the prompt, a forward's queries serve only its own flush
             self.fit_queries = None
-        if self.budget is not None:  # every forward, flush or not: the window grows between flushes
-            budget.enforce(self)
+        self.placement.after_flush(self, flushed)  # every forward, flush or not: the window grows between flushes
 
-    def _flush_blocks(self) -> None:
+    def _flush_blocks(self) -> bool:
         """The prompt, then whole blocks, from the window into compressed segments."""
         overflow = self.win_k.shape[2] - self.method.window
         first = self.updates == 1 and not self.segments
         prefill = first and self.method.prefill_key is not None
         kind = "prefill" if prefill else "stream"
-        kc, vc = self._codec(kind, "key"), self._codec(kind, "value")
+        kc, vc = self.codec(kind, "key"), self.codec(kind, "value")
         # The prompt leaves exactly `window` exact tokens behind (up to the codecs' token multiple,
         # e.g. KIVI's per-channel groups); later tokens leave in whole blocks, so that appending to
         # a segment (a copy) happens once per block rather than once per decoded token.
@@ -430,24 +433,20 @@ class KVPackLayer(CacheLayerMixin):
         if n <= 0 or (not self.segments and n < self.method.block_size):
             # The first encode fits data-dependent codecs (channel statistics, PCA, codebooks): it waits
             # for at least a block of tokens, since statistics of one or a few tokens are degenerate.
-            return
+            return False
         k, v = self.win_k[:, :, :n], self.win_v[:, :, :n]
         start = self.length - self.win_k.shape[2]
-        chosen = self._choose_anchors(start, n, first)
+        chosen = self.placement.keep_exact(self, start, n, first)
         sized = prefill and bool(self.method.prompt_ratio) and vc.fits_to_budget  # values fit to the prompt's byte target
         if prefill:
             positions = self.positions(start, n)
             kc.fit(k, positions, **({"queries": self.fit_queries} if kc.fits_on_queries else {}))
             allowance = {"byte_budget": self._value_allowance(kc, k, positions, 0 if chosen is None else len(chosen))} if sized else {}
             vc.fit(v, positions, **({"queries": self.fit_queries} if vc.fits_on_queries else {}), **allowance)
-        # Tokens already past an older tier's boundary (a long prompt) go straight to that tier: no double encode.
         done = 0
-        for level in range(len(self.method.tiers), 0, -1) if not prefill else ():
-            m = self._tier_count(level, start + done, n - done)
-            if m:
-                self.store(f"tier{level}", k[:, :, done : done + m], v[:, :, done : done + m], start + done)
-                done += m
-        self.store(kind, k[:, :, done:], v[:, :, done:], start + done)
+        for where, m in self.placement.route(self, kind, start, n):
+            self.store(where, k[:, :, done : done + m], v[:, :, done : done + m], start + done)
+            done += m
         if chosen is not None:
             self._add_anchors(start + chosen, k.index_select(2, chosen), v.index_select(2, chosen))
         self.fit_queries = None
@@ -456,7 +455,7 @@ class KVPackLayer(CacheLayerMixin):
             self.prompt_target.record(self.layer_idx, self._fp16_bytes(), self.nbytes() + kc.state_nbytes(), vc.budget_met)
         if self.tracker is not None:  # the only moment the block's originals sit next to its encoding
             self.tracker.on_flush(self, k, v, start)
-        self._demote()
+        return True
 
     def _value_allowance(self, kc: Codec, k: torch.Tensor, positions: torch.Tensor, anchors: int) -> ByteBudget:
         """What the prompt's value codec may hold for this layer to end the prompt `prompt_ratio` times below fp16: the
@@ -477,38 +476,6 @@ class KVPackLayer(CacheLayerMixin):
         """What this layer's tokens would take as fp16 K and V."""
         return self.batch * self.kv_heads * self.length * (self.head_dim + self.v_head_dim) * 2
 
-    def _choose_anchors(self, start: int, n: int, first: bool) -> torch.Tensor | None:
-        """Indices `(h,)` into the tokens [start, start + n) about to be compressed to keep exact: those the latest
-        queries attend to most. The prompt keeps `MethodConfig.anchors` of its tokens (at least one); each later
-        flush keeps the same fraction of its block, owed across blocks (`anchor_credit`), so anchors cover the whole
-        context, not only the prompt. None when none is due or no queries were seen (no kvpack attention)."""
-        if not self.method.anchors or self.fit_queries is None or self.fit_scaling is None:
-            return None
-        if not first and not self._anchors_later():
-            return None
-        if first:
-            count = min(n, max(1, round(self.method.anchors * n)))
-        else:
-            self.anchor_credit += self.method.anchors * n
-            count = min(n, int(self.anchor_credit))
-            self.anchor_credit -= count
-            if not count:
-                return None
-        # Every exact token: the whole context at the prompt's flush; later, the sinks and the window, which holds
-        # the block and the queries' own tokens (the compressed tokens' share of each query is left out of the
-        # normalization, which shifts how much each query weighs, not the order of the tokens it reads).
-        keys = torch.cat([self.sink_k, self.win_k], dim=2)
-        rows = min(self.fit_queries.shape[2], self.win_k.shape[2] if not first else keys.shape[2])
-        first_valid = self.pad  # left padding sits in the sinks; its keys are never attended
-        mass = received_attention(self.fit_queries[:, :, -rows:], keys, self.fit_scaling, first_valid)
-        lo = start if first else self.sink_k.shape[2]  # where the block sits among those keys
-        return most_attended(mass[:, lo : lo + n], count).to(self.win_k.device)
-
-    def _anchors_later(self) -> bool:
-        """Whether blocks flushed after the prompt get anchors: whenever the method keeps anchors (with a prompt
-        codec, later blocks' anchors sit in the stream segment, a second part of the `AnchorSet`)."""
-        return bool(self.method.anchors)
-
     def _add_anchors(self, index: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Keep tokens `index (h,)` (just compressed, after every current anchor) exact, with rows `k`, `v` `(b, kv, h, d)`."""
         first = int(index[0])
@@ -520,7 +487,7 @@ class KVPackLayer(CacheLayerMixin):
         n = k.shape[2]
         if not n:
             return
-        kc, vc = self._codec(kind, "key"), self._codec(kind, "value")
+        kc, vc = self.codec(kind, "key"), self.codec(kind, "value")
         positions = self.positions(start, n)
         keys, values = kc.encode(k, positions), vc.encode(v, positions)
         prev = next((seg for seg in self.segments if seg.start + seg.length == start), None)
@@ -529,32 +496,6 @@ class KVPackLayer(CacheLayerMixin):
         else:
             at = next((i for i, seg in enumerate(self.segments) if seg.start >= start), len(self.segments))
             self.segments.insert(at, Segment(kind, kc, vc, keys, values, start))
-
-    def _tier_count(self, level: int, start: int, n: int) -> int:
-        """How many of tokens [start, start + n) lie past tier `level`'s age boundary, in whole blocks."""
-        tier = self.method.tiers[level - 1]
-        kc, vc = self._codec(f"tier{level}", "key"), self._codec(f"tier{level}", "value")
-        step = math.lcm(self.method.block_size, kc.token_multiple, vc.token_multiple)
-        older = min(self.length - tier.after - start, n)
-        return max(older, 0) // step * step
-
-    def _demote(self) -> None:
-        """Move blocks that aged past a tier's boundary from the next younger tier's segment into that tier.
-
-        The younger codec's tokens are decoded and re-encoded (the extra error is measured in tests and
-        docs/reliability.md); whole blocks move, the younger run drops its front, nothing else is copied.
-        """
-        for level in range(1, len(self.method.tiers) + 1):
-            younger = "stream" if level == 1 else f"tier{level - 1}"
-            src = next((seg for seg in self.segments if seg.kind == younger), None)
-            if src is None:
-                continue
-            m = min(self._tier_count(level, src.start, src.length), src.length // src.token_multiple * src.token_multiple)
-            if not m:
-                continue
-            k, v = self.decode_front(src, m)
-            self.replace_front(src, m)
-            self.store(f"tier{level}", k, v, src.start)
 
     def decode_front(self, seg: Segment, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V `(batch, kv_heads, n, d)` float of `seg`'s first `n` tokens."""
@@ -590,7 +531,7 @@ class KVPackLayer(CacheLayerMixin):
         else:
             del self.segments[i]
 
-    def _codec(self, kind: str, side: str) -> Codec:
+    def codec(self, kind: str, side: str) -> Codec:
         name = f"{kind}_{side}"
         if name not in self._codecs:
             spec = self._spec(kind, side)
@@ -703,7 +644,7 @@ class KVPackLayer(CacheLayerMixin):
                 "cache with a gap; call kvpack.enable(model) before using it (or build the cache without budget=)"
             )
         if not self.is_initialized:
-            budget.check_share(self, k, v)
+            check_share(self, k, v)
 
     def _check_fits_fp16(self, peak: float | None) -> None:
         """Sinks and window are stored in fp16 by default: refuse values fp16 would turn into Inf. `peak`: the new

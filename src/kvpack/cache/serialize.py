@@ -16,27 +16,28 @@ truncated, corrupted, from another format version or for another model is refuse
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import json
 import os
 import re
-import secrets
 import sys
 import time
-from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from ..codecs.base import Packed
 from ..registry import CODECS, CodecSpec, LayerCodecs, MethodConfig, Tier, get_method
+from ..support import VERSION, atomic_write, jsonable, model_fingerprint
+from ..support import fingerprint as config_fingerprint
 from .anchors import AnchorSet
-from .kvcache import KVCache, _rope_per_layer, _text_config, layer_kinds
 from .layer import KVPackLayer, Segment
+
+if TYPE_CHECKING:
+    from .kvcache import KVCache
 
 __all__ = ["FORMAT_VERSION", "CacheFileError", "MissingCacheFileError", "load_cache", "read_header", "save_cache"]
 
@@ -51,11 +52,6 @@ MIN_BLOCK = 4096
 LAYOUTS = ("raw", "planes", "channels")
 
 # Text-config fields that decide the shape and meaning of cached K/V; a file saved for one value refuses another.
-FINGERPRINT_FIELDS = (
-    "num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-    "vocab_size", "sliding_window", "attention_chunk_size", "rope_theta", "rope_parameters", "rope_scaling",
-    "partial_rotary_factor",
-)
 _DTYPES = {n: getattr(torch, n) for n in ("float16", "bfloat16", "float32", "float64", "int8", "uint8", "int16", "int32", "int64", "bool")}
 _PACKED_CLASS = re.compile(r"(kvpack(?:\.\w+)+):(\w+(?:\.\w+)*)")
 # KVPackLayer attributes a file restores (saved or rebuilt from the method and model); tests compare this
@@ -64,12 +60,24 @@ _PACKED_CLASS = re.compile(r"(kvpack(?:\.\w+)+):(\w+(?:\.\w+)*)")
 # A memory `budget` is not saved (pass one to the loaded cache); a cache with `evicted` tokens is refused.
 # `prompt_target` (the method's prompt byte target, shared by the layers) is rebuilt by KVCache from the method.
 # `_first_position` (a segment's first RoPE position, cached for the decode kernels) is rebuilt on first use.
+# A `placement` other than the default is not saved: pass it to the loaded cache again, as a budget.
 LAYER_ATTRIBUTES = frozenset({
     "method", "layer_idx", "model_config", "rope", "length", "updates", "sink_k", "sink_v", "win_k", "win_v", "segments",
     "pos_offset", "pad", "pad_max", "_codecs", "pending_attention", "is_initialized", "dtype", "device", "batch", "kv_heads",
     "head_dim", "v_head_dim", "exact_dtype", "keys", "values", "fit_queries", "evicted", "budget", "_first_position",
-    "fit_scaling", "anchors", "anchor_credit", "prompt_target",
+    "fit_scaling", "anchors", "anchor_credit", "prompt_target", "placement",
 })
+
+
+# The cache class a file is loaded into. The file format sits below `KVCache` in the layers (the cache calls it to save and
+# load), so the class registers itself here when it is defined instead of this module importing it.
+_CACHE_TYPES: list[type] = []
+
+
+def register_cache_type(cls: type) -> type:
+    """Make `cls` (built as `cls(model, method, allow_untested=True)`) the class `load_cache` rebuilds and `save_cache` takes."""
+    _CACHE_TYPES.insert(0, cls)
+    return cls
 
 
 class CacheFileError(ValueError):
@@ -88,7 +96,7 @@ def save_cache(cache: KVCache, path: str | os.PathLike, *, token_ids: torch.Tens
     compress: entropy-code the tensors with zstd (`pip install "kvpack[store]"`); loading detects it.
     """
     start = time.perf_counter()
-    if not isinstance(cache, KVCache):
+    if not isinstance(cache, tuple(_CACHE_TYPES)):
         raise TypeError(f"save_cache saves a kvpack.KVCache, got {type(cache).__name__}")
     evicted = max((layer.evicted_tokens for layer in cache.compressed_layers()), default=0)
     if evicted:
@@ -102,7 +110,7 @@ def save_cache(cache: KVCache, path: str | os.PathLike, *, token_ids: torch.Tens
     meta = {
         "format": FORMAT,
         "format_version": str(FORMAT_VERSION),
-        "kvpack_version": _kvpack_version(),
+        "kvpack_version": VERSION,
         "method": json.dumps(method_to_json(cache.method)),
         "fingerprint": json.dumps(fingerprint(cache)),
         "dtype": json.dumps(next((entry["dtype"] for entry in layout if entry.get("dtype")), None)),
@@ -119,7 +127,7 @@ def save_cache(cache: KVCache, path: str | os.PathLike, *, token_ids: torch.Tens
     from safetensors.torch import save
 
     data = save(tensors, meta)
-    _atomic_write(Path(path), data)
+    atomic_write(Path(path), data)
     return {
         "path": str(path), "bytes_on_disk": len(data), "bytes_in_memory": cache.memory_report()["total_bytes"],
         "seconds": time.perf_counter() - start, "compressed": compress, "tokens": tokens,
@@ -222,7 +230,9 @@ def load_cache(path: str | os.PathLike, model) -> KVCache:
         tensors = _decompress(tensors, _json(meta, "compression", path), path)
     _check_model(meta, model, path)
     method = method_from_json(_json(meta, "method", path))
-    cache = KVCache(model, method, allow_untested=True)  # the file's model type was accepted when it was saved
+    if not _CACHE_TYPES:
+        raise RuntimeError("load_cache: no cache class is registered; import kvpack (kvpack.cache registers KVCache)")
+    cache = _CACHE_TYPES[0](model, method, allow_untested=True)  # the file's model type was accepted when it was saved
     layout = _json(meta, "layout", path)
     if len(layout) != len(cache.layers):
         raise CacheFileError(f"{path} holds {len(layout)} layers but the model has {len(cache.layers)}")
@@ -410,7 +420,7 @@ def _restore_codec(layer: KVPackLayer, name: str, info: dict, path: Path):
     """The layer's codec for slot `name`: built by the method, or for a retired slot from the spec the file keeps."""
     kind, side = _codec_slot(name, path)
     if "@" not in kind:
-        return layer._codec(kind, side)
+        return layer.codec(kind, side)
     try:
         spec = CodecSpec(info["spec"]["codec"], dict(info["spec"]["options"]))
     except (KeyError, TypeError, ValueError) as err:
@@ -440,7 +450,7 @@ def method_to_json(method: MethodConfig) -> dict:
 
 
 def _spec_json(spec: CodecSpec) -> dict:
-    return {"codec": spec.codec, "options": _jsonable(spec.options)}
+    return {"codec": spec.codec, "options": jsonable(spec.options)}
 
 
 def method_from_json(data: dict) -> MethodConfig:
@@ -460,38 +470,9 @@ def _registered(method: MethodConfig) -> bool:
         return False
 
 
-def _jsonable(value: Any) -> Any:
-    return json.loads(json.dumps(value, sort_keys=True, default=lambda v: v.value if isinstance(v, Enum) else repr(v)))
-
-
 def fingerprint(cache: KVCache) -> dict:
     """What a cache's K/V depend on besides the weights: model type, architecture fields and per-layer RoPE hashes."""
-    return _fingerprint(cache.model_config, [layer.rope if isinstance(layer, KVPackLayer) else None for layer in cache.layers])
-
-
-def model_fingerprint(model) -> dict:
-    """`fingerprint` of a cache built for `model`, read from the model itself (its config and rotary modules, as KVCache reads them)."""
-    _, text = _text_config(model)
-    kinds = layer_kinds(text)
-    ropes = _rope_per_layer(model, kinds)
-    return _fingerprint(model.config, [rope if kind == "full_attention" else None for rope, (kind, _) in zip(ropes, kinds, strict=True)])
-
-
-def _fingerprint(config, ropes: list[tuple[torch.Tensor, float] | None]) -> dict:
-    _, text = _text_config(config)
-    fields = {f: _jsonable(getattr(text, f, None)) for f in FINGERPRINT_FIELDS}
-    fields["head_dim"] = fields["head_dim"] or text.hidden_size // text.num_attention_heads
-    fields["layer_kinds"] = _jsonable(layer_kinds(text))
-    return {"model_type": getattr(text, "model_type", None), "config": fields, "rope": [_rope_digest(r) for r in ropes]}
-
-
-def _rope_digest(rope: tuple[torch.Tensor, float] | None) -> str | None:
-    if rope is None:
-        return None
-    inv_freq, scaling = rope
-    digest = hashlib.sha256(inv_freq.detach().float().cpu().contiguous().numpy().tobytes())
-    digest.update(repr(float(scaling)).encode())
-    return digest.hexdigest()
+    return config_fingerprint(cache.model_config, [layer.rope if isinstance(layer, KVPackLayer) else None for layer in cache.layers])
 
 
 def _check_model(meta: dict, model, path: Path) -> None:
@@ -570,7 +551,7 @@ def _check_format(meta: dict[str, str], path: Path) -> None:
     if version != str(FORMAT_VERSION):
         raise CacheFileError(
             f"{path} has cache format version {version} (written by kvpack {meta.get('kvpack_version')}); this kvpack "
-            f"({_kvpack_version()}) reads version {FORMAT_VERSION}: load it with that kvpack version, or save the cache again"
+            f"({VERSION}) reads version {FORMAT_VERSION}: load it with that kvpack version, or save the cache again"
         )
 
 
@@ -594,41 +575,6 @@ def _missing_message(path: Path) -> str:
 
 def _corrupted_message(path: Path, what: str) -> str:
     return f"{path} is truncated or corrupted ({what}): it cannot be loaded; save the cache again (or copy the whole file again)"
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    """`data` to a temporary file beside `path`, fsync, then `os.replace`: `path` is the old file or the whole new one."""
-    if not path.parent.is_dir():
-        raise ValueError(f"cannot save to {path}: the directory {path.parent} does not exist; create it first")
-    tmp = path.parent / f".{path.name}.{secrets.token_hex(8)}.tmp"
-    # os.open, not mkstemp: mode 0o666 minus the umask, as a plain open() would create (mkstemp makes 0o600 files).
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            _write(f, data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(path.parent)
-
-
-def _write(f, data: bytes) -> None:
-    """The one write of a save (a seam where tests make it fail midway)."""
-    f.write(data)
-
-
-def _fsync_dir(directory: Path) -> None:
-    """Make the rename itself durable (POSIX); directories cannot be opened for fsync on Windows."""
-    with contextlib.suppress(OSError):
-        fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 # -- entropy-coded form --------------------------------------------------------------------------------
@@ -756,9 +702,3 @@ def _check_token_ids(token_ids: torch.Tensor, tokens: int) -> list:
     if token_ids.shape[-1] != tokens:
         raise ValueError(f"token_ids hold {token_ids.shape[-1]} tokens but the cache holds {tokens}: pass the ids the cache was filled with")
     return token_ids.tolist()
-
-
-def _kvpack_version() -> str:
-    from .. import __version__
-
-    return __version__

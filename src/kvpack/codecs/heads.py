@@ -25,6 +25,7 @@ import torch
 
 from ..primitives.validation import check_query
 from .base import Codec, Packed, group_query
+from .spec import CodecSpec
 
 INNER = ("fp16", "int8", "turboquant")  # codecs a group may use: per-token, no fit on queries, no scalar packed fields
 SLOTS = 32  # tensor slots of a HeadsPacked: 16 groups of two-tensor codecs (int8, turboquant without QJL)
@@ -41,8 +42,6 @@ class HeadsConfig:
     codecs: Sequence[dict] = ()
 
     def __post_init__(self):
-        from ..registry import CodecSpec
-
         if not self.codecs or not isinstance(self.codecs, list | tuple):
             raise ValueError(f"codecs must be a non-empty list of {{'codec', 'options'}} dicts, one per head group, got {self.codecs!r}")
         for entry in self.codecs:
@@ -59,8 +58,6 @@ class HeadsConfig:
 
     def specs(self) -> list:
         """Each group's `CodecSpec`."""
-        from ..registry import CodecSpec
-
         return [CodecSpec(e["codec"], dict(e.get("options", {}))) for e in self.codecs]
 
 

@@ -2,21 +2,11 @@
 
 from __future__ import annotations
 
-import functools
-import inspect
-
 import torch
 
+from ..support import cache_kwargs
 
-@functools.cache
-def _cache_name(forward_fn) -> str:
-    return "cache" if "cache" in inspect.signature(forward_fn).parameters else "past_key_values"
-
-
-def cache_kwargs(model, cache) -> dict:
-    """{name: cache} for `model`'s forward: `cache` where it takes it (transformers >= 5.2x, where `past_key_values`
-    is deprecated and goes in 5.40), else `past_key_values` (earlier 5.x)."""
-    return {_cache_name(type(model).forward): cache}
+__all__ = ["cache_kwargs", "eos_ids", "forward", "greedy"]
 
 
 @torch.no_grad()

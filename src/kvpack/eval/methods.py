@@ -7,6 +7,8 @@ from contextlib import contextmanager
 
 from transformers.cache_utils import Cache
 
+from ..attention import disable, enable
+from ..cache import KVCache
 from ..peers import PeerUnavailable, build_peer, is_peer
 
 BASELINE = "dynamic"  # the uncompressed reference every delta is taken against
@@ -23,21 +25,17 @@ def make_cache(model, method: str) -> Cache:
             return build_peer(model, method)
         except PeerUnavailable as err:
             raise MethodUnavailable(str(err)) from err
-    import kvpack
-
-    return kvpack.KVCache(model, method)
+    return KVCache(model, method)
 
 
 @contextmanager
 def attention_for(model, method: str) -> Iterator[None]:
     """Run kvpack methods with kvpack's compressed-domain attention, peers with the model's own attention."""
-    import kvpack
-
-    use_kvpack = not is_peer(method) and hasattr(kvpack, "enable")
+    use_kvpack = not is_peer(method)
     if use_kvpack:
-        kvpack.enable(model)
+        enable(model)
     try:
         yield
     finally:
         if use_kvpack:
-            kvpack.disable(model)
+            disable(model)

@@ -1,6 +1,6 @@
 """Where TurboQuant's 3-bit keys lose, per layer, under three ways of centering them before coding.
 
-    python scripts/key_centering.py --model smollm2-135m --json bench/results/key-centering-smollm2-135m.json
+    python experiments/key_centering.py --model smollm2-135m --json bench/results/key-centering-smollm2-135m.json
 
 A model's keys reach the cache with RoPE applied. A component that is constant before RoPE (a QKV bias, a massive
 channel) turns with position after it, at each RoPE pair's own frequency, so the post-RoPE mean the default
@@ -28,9 +28,9 @@ import torch
 
 import kvpack
 from kvpack.bench.env import environment
-from kvpack.cache.kvcache import _rope_per_layer
 from kvpack.codecs.turboquant import TurboQuantCodec, TurboQuantConfig, turning_means
 from kvpack.primitives.rope import apply_rope, rope_cos_sin, undo_rope
+from kvpack.support import rope_per_layer
 from kvpack.text import token_stream
 
 SINKS, FIT_QUERIES = 4, 128
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> None:
     ids = token_stream(tok, "news", args.context)[None]
     keys, queries = capture(model, ids)
     kinds = list(getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers)
-    ropes = _rope_per_layer(model, [(kind, None) for kind in kinds])
+    ropes = rope_per_layer(model, [(kind, None) for kind in kinds])
     scaling = model.model.layers[0].self_attn.scaling
     rows = []
     for i, kind in enumerate(kinds):
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> None:
     summary = {k: sum(r[k] for r in rows) / len(rows) for k in rows[0] if k != "layer"}
     print("mean over layers: " + ", ".join(f"{k} {v:.4f}" for k, v in summary.items()))
     if args.json:
-        out = {"config": vars(args), "environment": environment("python scripts/key_centering.py", argv),
+        out = {"config": vars(args), "environment": environment("python experiments/key_centering.py", argv),
                "layers": rows, "mean": summary}
         Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
         print(f"wrote {args.json}")

@@ -1,6 +1,6 @@
 """Could the default find its sensitive layers at run time, without calibration? A test of the cheapest signal.
 
-    python scripts/runtime_sensitivity.py --model smollm2-135m --json bench/results/runtime-sensitivity-smollm2-135m.json
+    python experiments/runtime_sensitivity.py --model smollm2-135m --json bench/results/runtime-sensitivity-smollm2-135m.json
 
 At prefill a cache sees every layer's keys, values and (through the attention function) the prompt's queries. Per
 full-attention layer this measures what compressing only that layer's K or V at 2/3/4 bits (TurboQuant, sinks and
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.model}: Spearman rho of local error vs calibrated KL: " + ", ".join(f"{c} {r:+.2f}" for c, r in rho.items()))
     print(f"  most sensitive keys at 2 bits, by local error {top['local']}, by KL {top['kl']}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"environment": environment("python scripts/runtime_sensitivity.py", argv), "config": vars(args),
+        Path(args.json).write_text(json.dumps({"environment": environment("python experiments/runtime_sensitivity.py", argv), "config": vars(args),
                                                "spearman": rho, "top_k2": top, "local": {str(k): v for k, v in local.items()}}, indent=1))
     return 0
 

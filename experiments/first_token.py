@@ -1,6 +1,6 @@
 """First-token latency: the prompt's forward into a fresh cache, `DynamicCache` and kvpack methods interleaved.
 
-    python scripts/first_token.py --model smollm2-135m --context 2048 --reps 3 \
+    python experiments/first_token.py --model smollm2-135m --context 2048 --reps 3 \
         --methods 'shard:k3v2+e1@anchors=0.5%,turboquant:k3v2@anchors=0.5%@window=32,shard' \
         --json bench/results/ttft-smollm2-135m-2k.json
 
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"round {r}: {m:40s} {seconds[m][-1]:6.2f} s", flush=True)
     kvpack.disable(model)
     median = {m: statistics.median(v) for m, v in seconds.items()}
-    result = {"environment": environment("python scripts/first_token.py", argv), "model": args.model, "context": args.context,
+    result = {"environment": environment("python experiments/first_token.py", argv), "model": args.model, "context": args.context,
               "reps": args.reps, "seconds": seconds, "median_s": median,
               "x_dynamic": {m: median[m] / median["dynamic"] for m in names}}
     for m in names:

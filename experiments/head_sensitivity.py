@@ -1,6 +1,6 @@
 """Would widths per kv head buy bytes over `auto`'s widths per layer? Sensitivity per (layer, side, kv head, width).
 
-    python scripts/head_sensitivity.py --model smollm2-135m --json bench/results/head-sensitivity-smollm2-135m.json
+    python experiments/head_sensitivity.py --model smollm2-135m --json bench/results/head-sensitivity-smollm2-135m.json
 
 On the calibration prompt of a Fisher profile (`bench/results/profiles-fisher/<model>.json`: its text, prefix and
 scored tokens), the Fisher diagonal of the scored tokens w.r.t. the cached K/V (`kvpack.auto.fisher_diagonal`) is
@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     for a in alloc:
         print(a)
     if args.json:
-        out = {"environment": environment("python scripts/head_sensitivity.py", argv), "config": vars(args), "kv_heads": heads,
+        out = {"environment": environment("python experiments/head_sensitivity.py", argv), "config": vars(args), "kv_heads": heads,
                "raw": [{"layer": k[0], "side": k[1], "bits": k[2], "raw": v} for k, v in raw.items()], "measured": measured, "rho": rho,
                "allocation": alloc}
         Path(args.json).write_text(json.dumps(out, indent=1) + "\n")

@@ -1,6 +1,6 @@
 """Candidates for the default method that are not registered methods, run through `kvpack compare`.
 
-    python scripts/default_candidates.py --model smollm2-135m --context 2048 --no-needle \
+    python experiments/default_candidates.py --model smollm2-135m --context 2048 --no-needle \
         --methods dynamic,turboquant:k3v2,turboquant:k4v2,turboquant:k4v1,candidate:k3vq,candidate:k4vq \
         --json bench/results/default-candidates-smollm2-135m-2k.json
 
@@ -48,7 +48,7 @@ def _run(argv: list[str]) -> int:
     if "--json" in argv:  # the CLI stamps its own command line; name this script, which registered the candidates
         path = Path(argv[argv.index("--json") + 1])
         data = json.loads(path.read_text())
-        data["environment"]["command"] = " ".join(["python scripts/default_candidates.py", *argv])
+        data["environment"]["command"] = " ".join(["python experiments/default_candidates.py", *argv])
         path.write_text(json.dumps(data, indent=1))
     return status
 

@@ -1,6 +1,6 @@
 """Bytes held as a cache grows past its prompt: `memory_report()` after the prompt and after each chunk that follows.
 
-    python scripts/ratio_over_generation.py --model smollm2-135m --prompt 2048 --follow 2048 --chunk 256 \
+    python experiments/ratio_over_generation.py --model smollm2-135m --prompt 2048 --follow 2048 --chunk 256 \
         --methods 'shard:k3v2+e1@anchors=0.5%,shard:e1@anchors=0.5%,turboquant:k3v2@anchors=0.5%@window=32' \
         --json bench/results/ratio-over-generation-smollm2-135m.json
 
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> dict:
         kvpack.disable(model)
     for m, points in rows.items():
         print(f"{m:44s} " + "  ".join(f"{q['tokens']}: {q['ratio']:.2f}x" for q in points[:: max(1, len(points) // 4)]))
-    result = {"environment": environment("python scripts/ratio_over_generation.py", argv), "model": args.model,
+    result = {"environment": environment("python experiments/ratio_over_generation.py", argv), "model": args.model,
               "prompt": args.prompt, "follow": args.follow, "chunk": args.chunk, "rows": rows}
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))

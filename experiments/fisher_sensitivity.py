@@ -1,6 +1,6 @@
 """How well does the Fisher calibration (`kvpack calibrate --mode fisher`) predict what the probes measure?
 
-    python scripts/fisher_sensitivity.py --model smollm2-135m --json bench/results/fisher-sensitivity-smollm2-135m.json
+    python experiments/fisher_sensitivity.py --model smollm2-135m --json bench/results/fisher-sensitivity-smollm2-135m.json
 
 Reads a Fisher profile made on the probe profile's own prompt (same text, prefix, scored tokens: the defaults of
 both modes) and compares, per (layer, side, width), its raw second-order prediction and its final sensitivity (after
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {key}: " + ", ".join(f"{c} {v:.2f}" for c, v in result[key].items()))
     print(f"  worst keys at 2 bits: Fisher {result['worst_keys_at_2_bits']['fisher']}, probes {result['worst_keys_at_2_bits']['probe']}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"environment": environment("python scripts/fisher_sensitivity.py", argv), "config": vars(args),
+        Path(args.json).write_text(json.dumps({"environment": environment("python experiments/fisher_sensitivity.py", argv), "config": vars(args),
                                                "seconds": seconds, **result}, indent=1))
     return 0
 
