@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
+from transformers import DynamicCache
 
 from ._optional import require
 from .allocator import (
@@ -213,8 +214,6 @@ def fisher_diagonal(model, prompt: torch.Tensor, scored: torch.Tensor, draws: in
     g of sum_t s_t * log p_t(y_t) w.r.t. the cached K/V: E_y[grad grad^T] is F_t, and the signs cancel the cross terms
     between tokens, so E[g^2] = sum_t diag(F_t). One forward of the scored tokens, `draws` backward passes.
     """
-    from transformers import DynamicCache
-
     frozen = [(p, p.requires_grad) for p in model.parameters()]
     for p, _ in frozen:
         p.requires_grad_(False)  # gradients w.r.t. the cache only: no weight gradients held

@@ -22,6 +22,10 @@ from pathlib import Path
 from ._optional import MissingDependency, install_hint, missing_message, require
 from .models import DEFAULT_MODEL, MODELS, TINY_MODEL, list_models
 
+# The commands import the rest of kvpack inside their functions, on purpose: the evaluation modules need the `eval`
+# extra (tqdm, matplotlib), whose absence each command reports as one line naming the install, after the arguments
+# are checked; at module level the import itself would fail first, with a traceback.
+
 # The demo runs in CI: one needle length, three depths, one needle of each kind per cell (6 trials per method,
 # ~2.5 s each at 1K tokens on 2 CPU cores); `eval` and `compare` default to the full grid.
 DEMO = {"context": 2048, "ppl_tokens": 512, "needle_lengths": [1024], "needle_depths": [0.0, 0.5, 1.0], "needle_trials": 1,

@@ -19,6 +19,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GgufConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+)
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -129,8 +139,6 @@ def gguf_path(spec: ModelSpec) -> Path:
 
 def _convert_gguf(gguf: Path, out_dir: Path) -> None:
     """Dequantize a GGUF through transformers and save plain safetensors + tokenizer into out_dir."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
-
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(
         gguf.parent, gguf_file=gguf.name, quantization_config=GgufConfig(dequantize=True), dtype=torch.float32, local_files_only=True
@@ -157,8 +165,6 @@ def _converted_dir(key: str, gguf: Path) -> Path:
 
 
 def _load_hf_dir(path: Path, dtype: torch.dtype):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
     return model.eval(), tokenizer
@@ -166,9 +172,6 @@ def _load_hf_dir(path: Path, dtype: torch.dtype):
 
 def tiny_random_model(seed: int = 0, dtype: torch.dtype = torch.float32):
     """A 2-layer random Llama (hidden 64, 4 heads of dim 64, 2 kv heads) with a byte-level tokenizer (vocab 259)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
     byte_chars = pre_tokenizers.ByteLevel.alphabet()
     vocab = {ch: i for i, ch in enumerate(sorted(byte_chars))}
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
@@ -192,8 +195,6 @@ def random_weights_model(config_dir: str | Path, dtype: torch.dtype = torch.floa
     step's cost depends on the architecture, not on the weights' values, for every codec whose widths are
     fixed. Perplexity, needles and data-fitted codecs (Shard's rank, `auto`) need the real weights.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     path = Path(config_dir).expanduser()
     if not (path / "config.json").is_file():
         raise ValueError(f"random weights need a model directory with a config.json, got {str(path)!r}")

@@ -19,12 +19,14 @@ Protocol (the same for every contender, so machine noise hits them alike):
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 import time
 from pathlib import Path
 
 import torch
+from transformers import DynamicCache
 
 import kvpack
 
@@ -49,8 +51,6 @@ def _percentile(xs: list[float], q: float) -> float:
 @torch.no_grad()
 def prefill_dynamic(model, ids: torch.Tensor, chunk: int = 2048):
     """(DynamicCache holding `ids` ([T] or [B, T]), last logits): the prompt in chunks, exact attention."""
-    from transformers import DynamicCache
-
     cache = DynamicCache(config=model.config)
     logits = None
     for i in range(0, ids.shape[-1], chunk):
@@ -92,8 +92,6 @@ def fill_kvpack(model, method, source, ids: torch.Tensor | None = None) -> tuple
 
 def _new_cache(model, method, source, ids: torch.Tensor):
     if method == "dynamic":
-        import copy
-
         return copy.deepcopy(source), 0.0
     return fill_kvpack(model, method, source, ids)
 

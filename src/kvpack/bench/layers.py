@@ -19,6 +19,8 @@ import json
 from pathlib import Path
 
 import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 import kvpack
 from kvpack.bench.env import environment
@@ -31,9 +33,6 @@ PROG = "python -m kvpack.bench.layers"
 
 def prompt_qkv(model, ids: torch.Tensor) -> dict[int, tuple[torch.Tensor, ...]]:
     """Each layer's RoPE'd query, key and value `(1, heads, tokens, d)` float32 from one prefill, via SDPA."""
-    from transformers import AttentionInterface
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     seen = {}
 
     def record(module, query, key, value, attention_mask, **kwargs):

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import torch
+from transformers import DynamicCache
 
 import kvpack
 from kvpack import CodecSpec, get_method
@@ -85,8 +86,6 @@ def ablation_methods() -> list[tuple[str, object]]:
 
 def _cache(model, method):
     """`method` None: the uncompressed DynamicCache (kvpack attention disabled); else a KVCache (enabled)."""
-    from transformers import DynamicCache
-
     if method is None:
         kvpack.disable(model)
         return DynamicCache()

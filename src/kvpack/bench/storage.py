@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
 from .. import list_methods
 from ..cache.serialize import ZSTD_LEVEL, _zstd, collect, load_cache, save_cache
@@ -44,8 +45,6 @@ def _part(name: str) -> str:
 
 def _parts(path: Path) -> dict[str, int]:
     """Bytes on disk per part (payload only; the header is counted in the file size)."""
-    from safetensors import safe_open
-
     out = {"codes": 0, "codec_state": 0, "exact": 0}
     with safe_open(path, "pt") as f:
         for name in f.keys():

@@ -27,8 +27,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load, save
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
+from .._optional import MissingDependency, install_line
 from ..codecs.base import Packed
 from ..registry import CODECS, CodecSpec, LayerCodecs, MethodConfig, Tier, get_method
 from ..support import VERSION, atomic_write, jsonable, model_fingerprint
@@ -124,8 +127,6 @@ def save_cache(cache: KVCache, path: str | os.PathLike, *, token_ids: torch.Tens
         meta["compression"] = json.dumps(streams)
     meta["payload_sha256"] = _payload_digest(tensors)
     meta["header_sha256"] = _header_digest(meta)
-    from safetensors.torch import save
-
     data = save(tensors, meta)
     atomic_write(Path(path), data)
     return {
@@ -517,9 +518,6 @@ def _read(path: Path) -> bytes:
 
 
 def _parse(data: bytes, path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    from safetensors import SafetensorError
-    from safetensors.torch import load
-
     meta = _metadata(data, path)
     _check_format(meta, path)
     try:
@@ -582,8 +580,6 @@ def _zstd(purpose: str):
     try:
         import zstandard
     except ImportError as err:
-        from .._optional import MissingDependency, install_line
-
         raise MissingDependency(f"{purpose} needs the optional package 'zstandard', which is not installed; install it with: {install_line('store')}") from err
     return zstandard
 
