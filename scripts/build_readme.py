@@ -215,7 +215,7 @@ def outputs() -> dict[Path, str]:
     """Each generated file and the text it should hold."""
     parts = ROOT / "docs" / "readme"
     readme = "\n".join(render((parts / p).read_text()).rstrip() + "\n" for p in PARTS)
-    pages = {ROOT / "docs" / n: GENERATED.format(name=n) + render((ROOT / "docs" / "templates" / n).read_text()).rstrip() + "\n" for n in TEMPLATES}
+    pages = {ROOT / "docs" / "notes" / n: GENERATED.format(name=n) + render((ROOT / "docs" / "templates" / n).read_text()).rstrip() + "\n" for n in TEMPLATES}
     return {ROOT / "README.md": readme, **pages}
 
 
