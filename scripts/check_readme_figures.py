@@ -79,9 +79,12 @@ def figure_problems(source: str, readme: str, figures: dict, results: Path = bui
 
 
 def command_of(data: dict) -> str | None:
-    """The command a result file records: its environment's, or (merged files) the first merged run's."""
-    env = data.get("environment") or next(iter(data.get("merged_environment", {}).values()), {})
-    return env.get("command")
+    """The command a result file records: its environment's, or for a file that merges reruns (scripts/merge_rows.py),
+    those runs' files, each of which records its own."""
+    if data.get("environment", {}).get("command"):
+        return data["environment"]["command"]
+    merged = [name for name, env in data.get("merged_environment", {}).items() if env.get("command")]
+    return f"rows merged from {', '.join(merged)} (each file records its command)" if merged else None
 
 
 def heading_ids(markdown: str) -> set[str]:
