@@ -1,4 +1,4 @@
-"""Run the reliability tests and write the table of docs/reliability.md (case class, cases, passed, what a user sees).
+"""Run the reliability tests and write the table of docs/guide/reliability.md (case class, cases, passed, what a user sees).
 
     python scripts/reliability_table.py            # runs pytest on the files below, rewrites the table
 """
@@ -14,7 +14,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = 250  # hypothesis examples per property test in the `ci` profile (tests/test_properties.py)
-DOC = ROOT / "docs" / "reliability.md"
+DOC = ROOT / "docs" / "guide" / "reliability.md"
 
 # (case class, file, test-name regex, what the user sees when the case is refused or goes wrong)
 CLASSES = [
