@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import kvpack
-from kvpack import auto
+from kvpack import allocator, auto
 from kvpack.cache.layer import KVPackLayer
 from kvpack.codecs.heads import HeadsCodec, HeadsConfig
 from kvpack.codecs.int8 import Int8Codec, Int8Config
@@ -267,7 +267,7 @@ def test_profiles_without_head_shares_allocate_per_layer_and_bad_shares_are_refu
     bad["sensitivity"][0]["head_shares"] = [0.5, 0.6, -0.1]
     bad |= {"format": auto.PROFILE_FORMAT, "version": auto.PROFILE_VERSION, "fingerprint": {}}
     with pytest.raises(auto.ProfileError, match="damaged"):
-        auto._check_profile(bad, tmp_path / "p.json", "kvpack calibrate")
+        allocator._check_profile(bad, tmp_path / "p.json", "kvpack calibrate")
 
 
 @pytest.mark.parametrize("arg, parsed", [("1%", (0.01, auto.DEFAULT_GRAIN)), ("1%/layer", (0.01, "layer")), ("0.5%/head", (0.005, "head"))])
