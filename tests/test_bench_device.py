@@ -69,6 +69,14 @@ def test_a_copied_tree_records_the_commit_it_names(monkeypatch):
     assert environment("x")["git_sha"] != "0123abc"
 
 
+def test_a_result_records_when_it_was_measured():
+    import datetime
+
+    stamped = datetime.datetime.fromisoformat(environment("x")["date"])
+    assert stamped.tzinfo is not None
+    assert abs(stamped - datetime.datetime.now(datetime.timezone.utc)) < datetime.timedelta(minutes=5)
+
+
 def test_forward_takes_a_batch_of_rows(eval_tiny):
     from transformers import DynamicCache
 

@@ -6,6 +6,7 @@ import os
 import platform
 import subprocess
 import sys
+from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
 
@@ -43,9 +44,10 @@ def _version(package: str) -> str | None:
 
 
 def environment(prog: str | None = None, argv: list[str] | None = None) -> dict:
-    """git SHA, versions, CPU model, thread count and the command line (`prog` replaces argv[0], e.g.
+    """The date (UTC), git SHA, versions, CPU model, thread count and the command line (`prog` replaces argv[0], e.g.
     "python -m kvpack.bench.decode"; `argv` replaces sys.argv[1:] when the caller parsed its own)."""
     return {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "git_sha": _git_sha(),
         "kvpack": _version("kvpack"),
         "torch": torch.__version__,
