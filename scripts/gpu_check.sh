@@ -9,7 +9,8 @@
 # weights: decode speed only, for a machine without the weights (fixed-width codecs cost the same on any weights).
 # STAGES picks stages (default "tests attention profile decode"; "candidates" times the default against
 # `+ropemean` and a `heads` method, keys with a pre-RoPE bias, to attention-cuda-candidates-d{64,128}.json; "tcq" times the
-# default against its `+tcq` form, to attention-cuda-tcq.json); each has its own time limit (T_TESTS, T_ATTN,
+# default against its `+tcq` form, to attention-cuda-tcq.json; "throughput" runs each cache at the batch it fits in a 40 GiB
+# KV budget at 32K tokens, to throughput-cuda-32k.json); each has its own time limit (T_TESTS, T_ATTN,
 # T_ATTN_SHARD, T_TCQ, T_PROFILE, T_DECODE seconds); a failing stage does not stop the rest. profile.json: scripts/gpu_profile.py.
 set -u
 OUT=${OUT:-bench/results/gpu}
@@ -66,4 +67,7 @@ want decode && for batch in 1 32; do
         --batch "$batch" --contexts 8192,32768 --methods dynamic,turboquant:k3v2,int8 --steps 128 --warmup 72 \
         --json "$OUT/decode-cuda-b$batch.json"
 done
+# The user's figure: decode tokens/s in a fixed KV budget, each cache at the largest batch its measured bytes fit.
+want throughput && stage "${T_THROUGHPUT:-240}" python3 -m kvpack.bench.throughput --device cuda --dtype bfloat16 --model "$MODEL" \
+    "${weights[@]}" --context 32768 --kv-budget-gib "${KV_GIB:-40}" --steps 32 --methods "dynamic,$default" --json "$OUT/throughput-cuda-32k.json"
 log done

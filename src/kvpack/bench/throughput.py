@@ -1,7 +1,7 @@
 """Decode throughput at a fixed KV memory budget: the batch each cache fits in it, and the tokens/s at that batch.
 
     python -m kvpack.bench.throughput --model smollm2-135m --context 2048 --kv-budget-mib 256 --steps 32
-    python -m kvpack.bench.throughput --config DIR --device cuda --dtype bfloat16 --context 32768 --kv-budget-gib 40
+    python -m kvpack.bench.throughput --model DIR --random-weights --device cuda --dtype bfloat16 --context 32768 --kv-budget-gib 40
 
 A smaller cache is worth what it buys: in the same memory, more sequences decode at once. Per method:
 
@@ -17,7 +17,7 @@ A smaller cache is worth what it buys: in the same memory, more sequences decode
    (checked against the budget), mean / p50 / p99 step time, tokens/s (batch / mean step) and its ratio to the first
    method's; on CUDA the peak memory allocated during the run.
 
-Random weights (`--config DIR`, a directory with a config.json) are fine for speed: a step's cost depends on the
+Random weights (`--random-weights`: `--model` is then a directory with a config.json) are fine for speed: a step's cost depends on the
 architecture and on fixed code widths, not on the weights; methods that fit on the data (Shard, `auto`) need the model.
 """
 
@@ -124,7 +124,8 @@ def _run(model, ids: torch.Tensor, methods: list[str], budget: int, steps: int, 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m", help="a kvpack model name, HF directory or .gguf (real weights)")
-    p.add_argument("--config", help="a model directory with a config.json: random weights of that architecture")
+    p.add_argument("--random-weights", action="store_true",
+                   help="the --model directory's architecture (its config.json) with random weights and random token ids")
     p.add_argument("--methods", default=f"dynamic,{DEFAULT_METHOD}", help="comma-separated; the first is the reference")
     p.add_argument("--context", type=int, default=2048)
     budget = p.add_mutually_exclusive_group()
@@ -146,8 +147,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
-    if args.config:
-        model, tok = random_weights_model(args.config, dtype=dtype, device=args.device), None
+    if args.random_weights:
+        model, tok = random_weights_model(args.model, dtype=dtype, device=args.device), None
     else:
         model, tok = load_model(args.model, dtype=dtype)
         model = model.to(args.device)
@@ -155,7 +156,7 @@ def main(argv: list[str] | None = None) -> dict:
     ids = _prompt_ids(tok, "news", args.context, 1, model.config.get_text_config(decoder=True).vocab_size).to(args.device)
     print(f"{PROG}: {args.context} tokens, KV budget {budget_bytes / GIB:.3g} GiB, {len(methods)} methods")
     rows = run(model, ids, methods, budget_bytes, args.steps, args.warmup, args.max_batch)
-    result = {"environment": environment(PROG, argv), "config": vars(args), "model": args.config or args.model,
+    result = {"environment": environment(PROG, argv), "config": vars(args), "model": args.model,
               "device": str(model.device), "rows": rows}
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
