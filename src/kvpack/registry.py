@@ -23,6 +23,7 @@ from .codecs.base import Codec
 CODECS: dict[str, str] = {
     "fp16": "kvpack.codecs.fp16:Fp16Codec",
     "int8": "kvpack.codecs.int8:Int8Codec",
+    "int4": "kvpack.codecs.int4:Int4Codec",
     "turboquant": "kvpack.codecs.turboquant:TurboQuantCodec",
     "polarquant-int4": "kvpack.codecs.polarquant:PolarQuantCodec",
     "qjl": "kvpack.codecs.qjl:QJLCodec",
@@ -38,6 +39,7 @@ CODECS: dict[str, str] = {
 CONFIG_CLASSES: dict[str, str] = {
     "fp16": "kvpack.codecs.fp16:Fp16Config",
     "int8": "kvpack.codecs.int8:Int8Config",
+    "int4": "kvpack.codecs.int4:Int4Config",
     "turboquant": "kvpack.codecs.turboquant:TurboQuantConfig",
     "polarquant-int4": "kvpack.codecs.polarquant:PolarQuantConfig",
     "qjl": "kvpack.codecs.qjl:QJLConfig",
@@ -381,6 +383,13 @@ def _int8(arg: str) -> MethodConfig:
     _no_options("int8", arg)
     spec = CodecSpec("int8")
     return MethodConfig("int8", spec, spec)
+
+
+@method("int4")
+def _int4(arg: str) -> MethodConfig:
+    _no_options("int4", arg)
+    spec = CodecSpec("int4")
+    return MethodConfig("int4", spec, spec)
 
 
 @method("turboquant", "k4v4", "k3v3", "k3v2", "k3v3+qjl", "k3v2+ropemean")

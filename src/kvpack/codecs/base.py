@@ -178,7 +178,7 @@ class Codec(ABC):
     """
 
     name: ClassVar[str]
-    # The form a fused attention kernel can read ("tq", "int8", ...; see kvpack.kernels.fused), or None:
+    # The form a fused attention kernel can read ("tq", "int8", ...; a key of the kernel table, kvpack.kernels.table), or None:
     # then attention goes through `scores` / `weighted_sum`.
     kernel_kind: ClassVar[str | None] = None
     # Codecs that store keys without RoPE (Shard's PCA) or center them on a mean RoPE turns (TurboQuant's

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..kernels import kivi as _kernel  # noqa: F401  (registers the ("kivi", "kivi") entry `kernel_kind` names)
 from ..primitives.affine import quantize_affine
 from ..primitives.packing import pack_bits, unpack_bits
 from ..primitives.validation import check_query
