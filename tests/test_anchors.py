@@ -11,9 +11,8 @@ import torch
 
 import kvpack
 from kvpack import kernels
-from kvpack.attention import _ops_decode, fused_decode, segmented_attention
+from kvpack.attention import fused_decode, segmented_attention
 from kvpack.cache.layer import KVPackLayer
-from kvpack.codecs.base import group_query, ungroup
 from kvpack.kernels import cpu_lut
 from kvpack.models import tiny_random_model
 from kvpack.primitives.attention_mass import most_attended, received_attention
@@ -104,7 +103,7 @@ def test_anchored_attention_equals_reference_with_original_rows(method):
     scaling = q.shape[-1] ** -0.5
     ref = _reference(layer, k0, v0, q, scaling)
     outs = {"segmented": segmented_attention(layer, q, None, scaling)}
-    outs["ops"] = ungroup(_ops_decode(layer, group_query(q, layer.kv_heads), q, scaling), q.shape[1])
+    outs["ops"] = fused_decode(layer, q, scaling)
     if kernels.available():
         outs["fused"] = fused_decode(layer, q, scaling)
     for path, out in outs.items():
@@ -182,7 +181,7 @@ def _assert_every_path_exact(layer, k0: torch.Tensor, v0: torch.Tensor, d: int) 
     q = torch.randn(2, 6, 1, d)
     ref = _reference(layer, k0, v0, q, d**-0.5)
     outs = {"segmented": segmented_attention(layer, q, None, d**-0.5)}
-    outs["ops"] = ungroup(_ops_decode(layer, group_query(q, layer.kv_heads), q, d**-0.5), q.shape[1])
+    outs["ops"] = fused_decode(layer, q, d**-0.5)
     if kernels.available():
         outs["fused"] = fused_decode(layer, q, d**-0.5)
     for path, out in outs.items():
@@ -336,9 +335,9 @@ def test_generate_with_anchors_matches_the_dequantized_reference_model():
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 @pytest.mark.parametrize("method", ["turboquant:k3v2", "int8", "shard"])
-def test_device_ops_cancel_the_anchors_codes(monkeypatch, backend, method):
-    """The CUDA route (the `kvpack::` ops: Triton under its CPU interpreter here, or the torch references), whose
-    kernels cannot leave tokens out: the anchors' codes' own partial, negated, cancels them."""
+def test_device_ops_leave_the_anchors_codes_out(monkeypatch, backend, method):
+    """The CUDA route (the `kvpack::` ops: Triton under its CPU interpreter here, or the torch references), which
+    mask the anchors' codes with a bias built from the segment's `skip` offsets."""
     from kvpack.kernels import ops
 
     if backend == "triton" and not ops.triton_available():
@@ -346,7 +345,7 @@ def test_device_ops_cancel_the_anchors_codes(monkeypatch, backend, method):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr(ops, "_override", ops.Backend(backend))
     layer, k0, v0, q = _anchored_layer(method)
-    out = ungroup(_ops_decode(layer, group_query(q, layer.kv_heads), q, 0.125), q.shape[1])
+    out = fused_decode(layer, q, 0.125)
     expected = _reference(layer, k0, v0, q, 0.125)
     if backend == "triton":  # fp16 tensor-core operands (the kernels' tests bound them by the fp16 reference's error)
         fp16_error = (_reference(layer, k0, v0, q, 0.125, dtype=torch.float16) - expected).abs().max().item()

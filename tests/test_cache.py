@@ -191,7 +191,7 @@ def test_turning_mean_keys_decode_fused_and_through_ops_as_over_the_dequantized_
     attention over the dequantized cache agree, over the prompt's tokens and a later block at other positions. With
     `+tcq` the kernels read trellis windows (a `(2**L,)` table) on both sides."""
     from kvpack import attention, kernels
-    from kvpack.codecs.base import group_query, ungroup
+    from kvpack.codecs.base import group_query
     from kvpack.primitives.rope import apply_rope, rope_cos_sin
 
     torch.manual_seed(gqa)
@@ -216,21 +216,21 @@ def test_turning_mean_keys_decode_fused_and_through_ops_as_over_the_dequantized_
     torch.testing.assert_close(segmented_attention(layer, q, None, d**-0.5), ref, atol=2e-4, rtol=1e-3)
     if kernels.available():
         torch.testing.assert_close(attention.fused_decode(layer, q, d**-0.5), ref, atol=2e-4, rtol=1e-3)
-        from kvpack.kernels import fused
+        from kvpack.kernels import table
 
         for seg in layer.segments:  # through the kernel, not the codec's torch scores
-            assert fused.segment_partial(group_query(q, hk), seg, d**-0.5, attention._first_position(layer, seg)) is not None
-    from kvpack.kernels import fused, ops
+            assert table.segment_partial(group_query(q, hk), seg, d**-0.5, attention._first_position(layer, seg)) is not None
+    from kvpack.kernels import ops, table
 
     backends = ["torch", *(["cpu"] if kernels.available() else []), *(["triton"] if ops.triton_available() else [])]
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     for backend in backends:  # the route a CUDA step takes: the op's kernel forms the turning term from its turn_* arguments
         monkeypatch.setattr(ops, "_override", ops.Backend(backend))
-        out = ungroup(attention._ops_decode(layer, group_query(q, hk), q, d**-0.5), hk * gqa)
+        out = attention.fused_decode(layer, q, d**-0.5)
         atol = 1e-3 if backend == "triton" else 2e-4  # Triton's q·k takes fp16 operands (docs/gpu.md); keys 4x the unit scale
         torch.testing.assert_close(out, ref, atol=atol, rtol=1e-3, msg=lambda m, backend=backend: f"{backend}: {m}")
         for seg in layer.segments:
-            assert fused.ops_segment_partial(group_query(q, hk), seg, d**-0.5, attention._first_position(layer, seg)) is not None
+            assert table.segment_partial(group_query(q, hk), seg, d**-0.5, attention._first_position(layer, seg)) is not None
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
@@ -239,7 +239,7 @@ def test_device_decode_path_through_custom_ops(monkeypatch, backend, method):
     """The route a CUDA decode step takes (the `kvpack::` ops: Triton kernels, run here on CPU tensors by
     Triton's interpreter, or the torch references) against attention over the dequantized cache."""
     from kvpack import attention
-    from kvpack.codecs.base import group_query, ungroup
+    from kvpack.codecs.base import group_query
     from kvpack.kernels import ops
 
     if backend == "triton" and not ops.triton_available():
@@ -247,35 +247,34 @@ def test_device_decode_path_through_custom_ops(monkeypatch, backend, method):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr(ops, "_override", ops.Backend(backend))
     layer, q = _one_decode_step(method, 3, 4 + 64 * 3 + 21, seed=0)
-    hk, gqa, d = layer.kv_heads, 3, q.shape[-1]
-    out = ungroup(attention._ops_decode(layer, group_query(q, hk), q, d**-0.5), hk * gqa)
+    hk, d = layer.kv_heads, q.shape[-1]
+    out = attention.fused_decode(layer, q, d**-0.5)
     torch.testing.assert_close(out, _reference_attention(layer, q, d**-0.5), atol=2e-4, rtol=1e-3)
-    from kvpack.kernels import fused
+    from kvpack.kernels import table
 
     for seg in layer.segments:  # every segment went through an op, none through its codec's own scores / weighted_sum
-        assert fused.ops_segment_partial(group_query(q, hk), seg, d**-0.5, attention._first_position(layer, seg)) is not None, seg.kind
+        assert table.segment_partial(group_query(q, hk), seg, d**-0.5, attention._first_position(layer, seg)) is not None, seg.kind
     if backend == "triton":  # on CPU tensors, the Triton backend routes a decode step through the ops
         assert ops.implementation("tq_attention", q.device).__module__.endswith("triton_attention")
         torch.testing.assert_close(attention.fused_decode(layer, q, d**-0.5), out)
 
 def test_shard_ops_path_after_the_cpu_kernel_dropped_the_float_basis(monkeypatch):
     """The CPU kernel's integer rebuild drops the PCA codec's float basis from its kernel state (memory_report
-    counts what a codec holds); the custom-op path (a GPU's, here its torch backend) run on the same layer afterwards
-    derives it again and still matches attention over the dequantized cache."""
+    counts what a codec holds); the op's other implementations (a GPU's, here its torch reference) run on the same layer
+    afterwards rebuild it from its integer form and still match attention over the dequantized cache."""
     from kvpack import attention, kernels
-    from kvpack.codecs.base import group_query, ungroup
     from kvpack.kernels import cpu_lut, ops
 
     if not (kernels.available() and cpu_lut.int8_rebuild()):
         pytest.skip("no CPU integer rebuild on this machine: the float basis is never dropped")
     layer, q = _one_decode_step("shard", 3, 4 + 64 * 5 + 37, seed=5)
-    d, hk = q.shape[-1], layer.kv_heads
+    d = q.shape[-1]
     expected = _reference_attention(layer, q, d**-0.5)
     torch.testing.assert_close(attention.fused_decode(layer, q, d**-0.5), expected, atol=2e-4, rtol=1e-3)
     prompt = next(seg for seg in layer.segments if seg.key_codec.kernel_kind == "pca")
     assert prompt.key_codec.kernel_state()["basis_t"].numel() == 0
     monkeypatch.setattr(ops, "_override", ops.Backend("torch"))
-    out = ungroup(attention._ops_decode(layer, group_query(q, hk), q, d**-0.5), q.shape[1])
+    out = attention.fused_decode(layer, q, d**-0.5)
     torch.testing.assert_close(out, expected, atol=2e-4, rtol=1e-3)
 
 

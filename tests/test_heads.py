@@ -127,8 +127,8 @@ def test_every_attention_path_equals_attention_over_the_dequantized_cache(monkey
     Triton under its interpreter), with and without anchors (exact copies of some coded tokens, left out of the codes)."""
     from kvpack import attention, kernels
     from kvpack.attention import segmented_attention
-    from kvpack.codecs.base import group_query, ungroup
-    from kvpack.kernels import fused, ops
+    from kvpack.codecs.base import group_query
+    from kvpack.kernels import ops, table
 
     layer, q = _layer(_method(values=(TQ2, INT8), anchors=anchors))  # pairs (tq, tq) and (int8, int8): each group has a kernel
     assert layer.segments and isinstance(layer.segments[0].key_codec, HeadsCodec)
@@ -138,25 +138,25 @@ def test_every_attention_path_equals_attention_over_the_dequantized_cache(monkey
     g = group_query(q, 3)
     if kernels.available():
         torch.testing.assert_close(attention.fused_decode(layer, q, scale), ref, atol=2e-4, rtol=1e-3)
-        assert all(fused.segment_partial(g, seg, scale, attention._first_position(layer, seg)) is not None for seg in layer.segments)
+        assert all(table.segment_partial(g, seg, scale, attention._first_position(layer, seg)) is not None for seg in layer.segments)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     for backend in ["torch", *(["triton"] if ops.triton_available() else [])]:
         monkeypatch.setattr(ops, "_override", ops.Backend(backend))
-        out = ungroup(attention._ops_decode(layer, g, q, scale), q.shape[1])
+        out = attention.fused_decode(layer, q, scale)
         atol = 1e-3 if backend == "triton" else 2e-4  # Triton's q.k takes fp16 operands (docs/gpu.md)
         torch.testing.assert_close(out, ref, atol=atol, rtol=1e-3, msg=lambda m, backend=backend: f"{backend}: {m}")
-        assert all(fused.ops_segment_partial(g, seg, scale, attention._first_position(layer, seg)) is not None for seg in layer.segments)
+        assert all(table.segment_partial(g, seg, scale, attention._first_position(layer, seg)) is not None for seg in layer.segments)
 
 
 def test_key_and_value_partitions_that_differ_fall_back_to_the_codecs():
     from kvpack import attention, kernels
     from kvpack.codecs.base import group_query
-    from kvpack.kernels import fused
+    from kvpack.kernels import table
 
     method = MethodConfig("m", _spec([0, 1, 0], [TQ3, INT8]), _spec([0, 0, 1], [TQ2, TQ3]))
     layer, q = _layer(method)
     seg = layer.segments[0]
-    assert fused.segment_partial(group_query(q, 3), seg, 0.125, attention._first_position(layer, seg)) is None
+    assert table.segment_partial(group_query(q, 3), seg, 0.125, attention._first_position(layer, seg)) is None
     if kernels.available():
         torch.testing.assert_close(attention.fused_decode(layer, q, 0.125), _reference(layer, q), atol=2e-4, rtol=1e-3)
 

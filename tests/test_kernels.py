@@ -18,7 +18,7 @@ import torch
 
 from kvpack.codecs.int8 import Int8Codec, Int8Config
 from kvpack.codecs.turboquant import TurboQuantCodec, TurboQuantConfig
-from kvpack.kernels import cpu_lut
+from kvpack.kernels import cpu_lut, reference
 from kvpack.primitives.kmeans import d2_picks as kmeans_d2_picks
 from kvpack.primitives.lloyd_max import lloyd_max_codebook
 from kvpack.primitives.packing import pack_bits, unpack_bits
@@ -237,6 +237,25 @@ def test_torch_byte_table_centroids_equal_unpack_lookup(bits):
 
 
 # -- fused online-softmax partials -------------------------------------------------------------
+def _tq_reference(q_rot, row_offset, k_codes, k_norm, k_cent, k_bits, v_codes, v_norm, v_cent, v_bits, scale):
+    """The op's reference (`reference.tq_attention`) with the C++ launcher's argument order."""
+    return reference.tq_attention(q_rot, k_codes, k_norm, k_cent, k_bits, v_codes, v_norm, v_cent, v_bits, q_rot.shape[-1], scale, row_offset)
+
+
+def _dense_reference(q, k, k_scale, v, v_scale, scale):
+    """`cpu_lut.dense_attention`'s references: the int8 op's for scaled int8 rows, the exact op's for float rows."""
+    if k_scale is None:
+        return reference.exact_attention(q, k, v, scale)
+    return reference.int8_attention(q, k, k_scale, v, v_scale, scale)
+
+
+def _turning_scores(turning: tuple, tokens: int) -> torch.Tensor:
+    """`(B, H, R, tokens)` turning-mean terms of the launcher's `turning` tuple (its phasor table left out): the ops'
+    float64 reference (`reference.turning_scores`)."""
+    q, pair, mu, freq, _, pos0 = turning
+    return reference.turning_scores(q, pair, mu, freq, pos0, 0, tokens).float()
+
+
 def _normalized(part):
     m, denom, o = part
     return o / denom, m + denom.log()
@@ -255,7 +274,7 @@ def test_tq_attention_matches_reference_on_capacity_views(k_bits, v_bits, b, h, 
     (kc, kn), (vc, vn) = packed(k_bits), packed(v_bits)
     args = (torch.randn(b, h, r, d, generator=gen), torch.randn(b, h, r, 1, generator=gen), kc, kn,
             lloyd_max_codebook(d, k_bits).centroids, k_bits, vc, vn, lloyd_max_codebook(d, v_bits).centroids, v_bits, 0.125)
-    out, ref = _normalized(cpu_lut.tq_attention(*args)), _normalized(cpu_lut.tq_attention_reference(*args))
+    out, ref = _normalized(cpu_lut.tq_attention(*args)), _normalized(_tq_reference(*args))
     for a, e in zip(out, ref, strict=True):
         assert (a - e).abs().max() <= 1e-5 * (1 + e.abs().max())
 
@@ -285,9 +304,9 @@ def test_tq_attention_on_trellis_codes_matches_reference(kspec, vspec, b, h, r, 
     skip = torch.tensor([0, t // 3, t - 1]).unique()
     turning = _turning(b, h, r, d, min(4, d // 2), gen) if d % 2 == 0 else None
     out = _normalized(cpu_lut.tq_attention(*args, skip=skip, turning=turning))
-    s = cpu_lut.lut_scores_reference(args[0], kc, kn, kt, kspec[0]) + args[1] + cpu_lut.turning_scores_reference(turning, t)
+    s = cpu_lut.lut_scores_reference(args[0], kc, kn, kt, kspec[0]) + args[1] + _turning_scores(turning, t)
     s[..., skip] = float("-inf")
-    ref = _normalized(cpu_lut.partial_reference(s * 0.125, cpu_lut.lut_centroids_reference(vc, vt, vspec[0], d) * vn.float()))
+    ref = _normalized(reference.partial_from_scores(s * 0.125, reference.code_values(vc, vt, vspec[0], d) * vn.float()))
     for a, e in zip(out, ref, strict=True):
         assert (a - e).abs().max() <= 2e-5 * (1 + e.abs().max())
 
@@ -310,7 +329,7 @@ def test_dense_attention_matches_reference(dtype, b, h, r, d, t):
     else:
         k, v, ks, vs = k.to(dtype), v.to(dtype), None, None
     args = (torch.randn(b, h, r, d, generator=gen), k[:, :, :t], ks, v[:, :, :t], vs, d**-0.5)
-    out, ref = _normalized(cpu_lut.dense_attention(*args)), _normalized(cpu_lut.dense_attention_reference(*args))
+    out, ref = _normalized(cpu_lut.dense_attention(*args)), _normalized(_dense_reference(*args))
     for a, e in zip(out, ref, strict=True):
         assert (a - e).abs().max() <= 1e-5 * (1 + e.abs().max())
 
@@ -337,10 +356,10 @@ def test_tq_attention_with_turning_means_matches_reference(b, h, r, d, t, m):
             lloyd_max_codebook(d, 3).centroids, 3, codes[1], norms[1], lloyd_max_codebook(d, 2).centroids, 2, 0.125)
     skip = torch.tensor([0, t // 2, t - 1]).unique()
     out = _normalized(cpu_lut.tq_attention(*args, skip=skip, turning=turning))
-    s = cpu_lut.lut_scores_reference(args[0], codes[0], norms[0], args[4], 3) + args[1] + cpu_lut.turning_scores_reference(turning, t)
+    s = cpu_lut.lut_scores_reference(args[0], codes[0], norms[0], args[4], 3) + args[1] + _turning_scores(turning, t)
     s[..., skip] = float("-inf")
-    v = cpu_lut.lut_centroids_reference(codes[1], args[8], 2, d) * norms[1].float()
-    ref = _normalized(cpu_lut.partial_reference(s * 0.125, v))
+    v = reference.code_values(codes[1], args[8], 2, d) * norms[1].float()
+    ref = _normalized(reference.partial_from_scores(s * 0.125, v))
     for a, e in zip(out, ref, strict=True):
         assert (a - e).abs().max() <= 2e-5 * (1 + e.abs().max())
     # The turning term is large here (|μ| ~ 3 against unit codes): without it the log-sum-exp would be far off.
@@ -360,7 +379,7 @@ def test_turning_scores_reference_equals_rope_of_the_mean():
     inv_freq = 1.0 / (1e4 ** (torch.arange(0, d, 2).float() / d))
     cos, sin = rope_cos_sin(pos0[:, None] + torch.arange(t), inv_freq)
     rotated = apply_rope(mean[None, :, None, :].expand(b, h, t, d), cos, sin)
-    torch.testing.assert_close(cpu_lut.turning_scores_reference((q, pair, mu, freq, w, pos0), t), q @ rotated.mT, rtol=1e-4, atol=2e-3)
+    torch.testing.assert_close(_turning_scores((q, pair, mu, freq, w, pos0), t), q @ rotated.mT, rtol=1e-4, atol=2e-3)
 
 
 def test_tq_attention_turning_names_the_problem():
@@ -434,7 +453,7 @@ def test_pca_vq_attention_matches_decoded_reference(key_scope, value_scope, widt
     m, denom, o = cpu_lut.pca_vq_attention(q, pos[:, 0].contiguous(), kc.kernel_state(), codes, vc.kernel_state(), idx, norm, d**-0.5)
     k_ref = kc.decode(type(kp)(cap, kp.codes), pos)[:, :, :t]
     v_ref = vc.decode(type(vp)(cap, vp.indices, vp.norm))[:, :, :t]
-    ref = cpu_lut.partial_reference((q @ k_ref.mT) * d**-0.5, v_ref)
+    ref = reference.partial_from_scores((q @ k_ref.mT) * d**-0.5, v_ref)
     out = (vc.kernel_output(o) / denom, m + denom.log())
     for a, e in zip(out, _normalized(ref), strict=True):
         # float32 RoPE angles at positions up to ~4K differ from exact phases by ~3e-4 rad
@@ -538,15 +557,15 @@ def test_pca_vq_attention_names_the_problem():
 @pytest.mark.parametrize("b,h,r,d", [(1, 3, 3, 64), (2, 2, 7, 80)])
 def test_merge_partials_equals_softmax_over_all_tokens(b, h, r, d):
     """Partials of disjoint token ranges (one fully masked) merge into exact softmax attention over all of them."""
-    from kvpack.kernels import fused
+    from kvpack.kernels import table
 
     gen = torch.Generator().manual_seed(r)
     s, v = torch.randn(b, h, r, 300, generator=gen) * 4, torch.randn(b, h, 300, d, generator=gen)
     s[..., 100:140] = float("-inf")  # a masked part: l = 0, contributes nothing
     cuts = [(0, 100), (100, 140), (140, 141), (141, 300)]
-    parts = [cpu_lut.partial_reference(s[..., a:z], v[:, :, a:z]) for a, z in cuts]
+    parts = [reference.partial_from_scores(s[..., a:z], v[:, :, a:z]) for a, z in cuts]
     expected = torch.softmax(s, -1) @ v
-    assert (fused.merge(parts) - expected).abs().max() <= 1e-5 * (1 + expected.abs().max())
+    assert (table.merge(parts) - expected).abs().max() <= 1e-5 * (1 + expected.abs().max())
 
 
 @pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 8])

@@ -317,7 +317,7 @@ def test_apply_boundary_moves_only_blocks_not_yet_demoted():
 
 # -- the live signal: attention mass per part times each tier's tracked error ---------------------------
 def test_part_masses_equal_the_softmax_mass_over_each_parts_columns():
-    from kvpack.kernels.cpu_lut import partial_reference
+    from kvpack.kernels.reference import partial_from_scores as partial_reference
 
     g = torch.Generator().manual_seed(7)
     widths = [4, 100, 37, 64]

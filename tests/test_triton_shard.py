@@ -29,7 +29,7 @@ import torch
 
 from kvpack.cache.layer import Segment
 from kvpack.codecs.base import group_query, ungroup
-from kvpack.kernels import cpu_lut, fused, ops, reference
+from kvpack.kernels import cpu_lut, ops, reference, table
 from kvpack.primitives.rope import apply_rope, rope_cos_sin
 from kvpack.registry import CodecSpec, get_method
 from test_ops import PAD, B, T, assert_partial_close, make_bias
@@ -250,17 +250,17 @@ def test_empty_segment():
     assert o.shape == (B, 2, 4, 80) and not m.any() and not denom.any() and not o.any()
 
 
-# -- the decode path: fused.ops_segment_partial -----------------------------------------------------------
+# -- the decode path: table.segment_partial ----------------------------------------------------------------
 def _check_segment_partial_matches_codec_path(backend: str) -> None:
     name, group = "layer-d64", 4
     kc, vc, keys, values, pos = shard_segment(name)
     seg = Segment("prefill", kc, vc, keys, values, start=0)
     query = torch.randn(B, kc.kv_heads * group, 1, kc.head_dim, generator=torch.Generator().manual_seed(5)) * 2
     q = group_query(query, kc.kv_heads)
-    assert fused.ops_segment_partial(q, seg, kc.head_dim**-0.5) is None  # without the first position: the codecs' own path
+    assert table.segment_partial(q, seg, kc.head_dim**-0.5) is None  # without the first position: the codecs' own path
     ops.set_backend(backend)
     try:
-        m, denom, o = fused.ops_segment_partial(q, seg, kc.head_dim**-0.5, lambda: pos[:, 0])
+        m, denom, o = table.segment_partial(q, seg, kc.head_dim**-0.5, lambda: pos[:, 0])
     finally:
         ops.set_backend(None)
     assert_matches_codec_path(ungroup(o / denom, query.shape[1]), codec_attention(name, query))

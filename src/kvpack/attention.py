@@ -14,10 +14,9 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from . import kernels
 from .cache import anchors
-from .cache.anchors import Anchors
 from .cache.layer import PENDING, KVPackLayer
 from .codecs.base import group_query, ungroup
-from .kernels import fused, ops
+from .kernels import table
 
 NAME = "kvpack"
 
@@ -133,70 +132,35 @@ def _segmented(layer: KVPackLayer, query: torch.Tensor, mask, scaling: float, so
 
 
 def fused_decode(layer: KVPackLayer, query: torch.Tensor, scaling: float) -> torch.Tensor | None:
-    """A one-token decode step with no mask: one fused kernel per part (see `kernels.fused`).
+    """A one-token decode step with no mask: one kernel call per part, through the kernel table (`kernels.table`).
 
-    On CPU the C++ kernels serve it; on any other device (or with `KVPACK_BACKEND=triton`, which runs
-    Triton on CPU tensors under `TRITON_INTERPRET=1`) the `kvpack::` custom ops do, Triton on CUDA.
-    Returns `(b, q_heads, 1, d_v)` float32, or None when the step does not qualify (longer queries
-    need causal masking inside the window; padded batches carry a mask).
+    The parts are the exact rows (sinks, window, anchors) and each segment; a segment's entry calls its op, which
+    torch dispatches by device (C++ on CPU, Triton on CUDA, the torch reference otherwise); a segment whose codecs
+    have no entry takes its codecs' `scores` / `weighted_sum`. Returns `(b, q_heads, 1, d_v)` float32, or None when
+    the step does not qualify (longer queries need causal masking inside the window; padded batches carry a mask).
     """
     b, hq, lq, _ = query.shape
     if lq != 1 or hq // layer.kv_heads > kernels.MAX_FUSED_ROWS:
         return None
     q = group_query(query.float(), layer.kv_heads)  # (b, kv, group, d)
-    if query.device.type != "cpu" or ops.get_backend() is ops.Backend.TRITON:
-        return ungroup(_ops_decode(layer, q, query, scaling), hq)
-    if not kernels.available():
-        return None
-    parts, kinds = [], []
-    for kind, k, v in (("sink", layer.sink_k, layer.sink_v), ("window", layer.win_k, layer.win_v)):
-        if k.shape[2]:
-            part = fused.exact_partial(q, k, v, scaling)
-            if part is None:
-                return None
-            parts.append(part)
-            kinds.append(kind)
-    a = layer.anchors
-    if a is not None:
-        exact = fused.exact_partial(q, a.k, a.v, scaling)
-        if exact is None:
-            return None
-        parts.append(exact)
-        kinds.append(anchors.KIND)
-    for seg in layer.segments:
-        skip = None if a is None else a.skip_in(seg)
-        parts.append(fused.segment_partial(q, seg, scaling, _first_position(layer, seg), skip) or _codec_partial(layer, seg, query, scaling))
-        kinds.append(seg.kind)
-    if layer.tracker is not None:  # attention mass per part, from the partials: the adaptive boundary's live signal
-        layer.tracker.on_decode(layer, kinds, parts)
-    return ungroup(fused.merge(parts), hq)
-
-
-def _ops_decode(layer: KVPackLayer, q: torch.Tensor, query: torch.Tensor, scaling: float) -> torch.Tensor:
-    """The decode step through the device-dispatched custom ops; codecs without an op use their own math."""
     a = layer.anchors
     exact = [(kind, k, v) for kind, k, v in (("sink", layer.sink_k, layer.sink_v), ("window", layer.win_k, layer.win_v)) if k.shape[2]]
-    if a is not None:
+    if a is not None:  # their exact rows, in place of the codes their segment leaves out (`skip`)
         exact.append((anchors.KIND, a.k, a.v))
-    if layer.tracker is None and len(exact) > 1:
+    if layer.tracker is None and len(exact) > 1 and query.device.type != "cpu":
         # One partial over all exact rows (a few hundred at most): on a GPU each partial is ~9 kernel launches
         # and a batch-1 decode step is bound by launches (docs/gpu.md), so two copies beat two partials.
         exact = [("exact", torch.cat([k for _, k, _ in exact], 2), torch.cat([v for _, _, v in exact], 2))]
-    parts = [fused.ops_exact_partial(q, k, v, scaling) for _, k, v in exact]
+    parts = [table.exact_partial(q, k, v, scaling) for _, k, v in exact]
     kinds = [kind for kind, _, _ in exact]
     for seg in layer.segments:
-        part = fused.ops_segment_partial(q, seg, scaling, _first_position(layer, seg))
-        if part is None:
-            part = _codec_partial(layer, seg, query, scaling)  # leaves the anchors out itself
-        elif a is not None and a.part_in(seg) is not None:  # the op counted the anchors' codes: cancel them
-            held = a.part_in(seg)
-            parts.append(_negated(fused.ops_segment_partial(q, held, scaling) or _codec_partial(layer, held, query, scaling)))
-            kinds.append(seg.kind)
-        parts.append(part)
+        skip = None if a is None else a.skip_in(seg)
+        part = table.segment_partial(q, seg, scaling, _first_position(layer, seg), skip)
+        parts.append(part if part is not None else _codec_partial(layer, seg, query, scaling))
         kinds.append(seg.kind)
-    if layer.tracker is not None:
+    if layer.tracker is not None:  # attention mass per part, from the partials: the adaptive boundary's live signal
         layer.tracker.on_decode(layer, kinds, parts)
-    return fused.merge_torch(parts)
+    return ungroup(table.merge(parts), hq)
 
 
 def _skip_anchors(layer: KVPackLayer, seg, s: torch.Tensor) -> torch.Tensor:
@@ -205,25 +169,15 @@ def _skip_anchors(layer: KVPackLayer, seg, s: torch.Tensor) -> torch.Tensor:
     return s if skip is None else s.index_fill(-1, skip.to(s.device), float("-inf"))
 
 
-def _negated(part: fused.Partial) -> fused.Partial:
-    """A partial that takes its tokens back out of the merge: l and o negated (the merge never takes log l). The
-    device ops cannot leave the anchors out of their segment, so their codes' own partial cancels them."""
-    m, denom, o = part
-    return m, -denom, -o
-
-
 def _first_position(layer: KVPackLayer, seg):
     """`() -> (b,)` RoPE position of `seg`'s first token, for the kernels of codecs that store keys without RoPE."""
     return lambda: layer.first_position(seg.start)
 
 
-def _codec_partial(layer: KVPackLayer, seg, query: torch.Tensor, scaling: float) -> fused.Partial:
-    """A segment (or the anchors' codes) without a fused kernel: its codecs' `scores` / `weighted_sum`, as a grouped partial."""
+def _codec_partial(layer: KVPackLayer, seg, query: torch.Tensor, scaling: float) -> table.Partial:
+    """A segment without a table entry: its codecs' `scores` / `weighted_sum`, as a grouped partial (anchors left out)."""
     q_pos = layer.positions(layer.length - query.shape[2], query.shape[2])
-    if isinstance(seg, Anchors):
-        s = seg.key_codec.scores(query, seg.keys, q_pos, layer.positions_of(seg.index)) * scaling
-    else:
-        s = _skip_anchors(layer, seg, seg.key_codec.scores(query, seg.keys, q_pos, layer.positions(seg.start, seg.length)) * scaling)
+    s = _skip_anchors(layer, seg, seg.key_codec.scores(query, seg.keys, q_pos, layer.positions(seg.start, seg.length)) * scaling)
     m = s.amax(-1, keepdim=True)
     p = torch.exp(s - m)
     o = seg.value_codec.weighted_sum(p, seg.values)

@@ -17,10 +17,10 @@ from typing import Any
 
 import torch
 
-from .codecs.spec import CODECS, CONFIG_CLASSES, CodecSpec, load_class
+from .codecs.spec import CODECS, CodecSpec, load_class
 
 __all__ = [
-    "CODECS", "CONFIG_CLASSES", "DEFAULT_GRAIN", "DEFAULT_METHOD", "EXACT_DTYPES", "GRAINS", "CodecSpec", "LayerCodecs", "MethodConfig", "Tier",
+    "CODECS", "DEFAULT_GRAIN", "DEFAULT_METHOD", "EXACT_DTYPES", "GRAINS", "CodecSpec", "LayerCodecs", "MethodConfig", "Tier",
     "apply_suffixes", "get_method", "list_methods", "method", "parse_auto", "parse_target", "split_suffixes", "target_name",
 ]
 
@@ -303,6 +303,13 @@ def _int8(arg: str) -> MethodConfig:
     _no_options("int8", arg)
     spec = CodecSpec("int8")
     return MethodConfig("int8", spec, spec)
+
+
+@method("int4")
+def _int4(arg: str) -> MethodConfig:
+    _no_options("int4", arg)
+    spec = CodecSpec("int4")
+    return MethodConfig("int4", spec, spec)
 
 
 @method("turboquant", "k4v4", "k3v3", "k3v2", "k3v3+qjl", "k3v2+ropemean")

@@ -178,8 +178,9 @@ class Codec(ABC):
     """
 
     name: ClassVar[str]
-    # The form a fused attention kernel can read ("tq", "int8", ...; see kvpack.kernels.fused), or None:
+    # The form a fused attention kernel can read ("tq", "int8", ...; a key of the kernel table, kvpack.kernels.table), or None:
     # then attention goes through `scores` / `weighted_sum`.
+    config_class: ClassVar[type]  # the frozen dataclass of its options (CodecSpec builds and validates it)
     kernel_kind: ClassVar[str | None] = None
     # Codecs that store keys without RoPE (Shard's PCA) or center them on a mean RoPE turns (TurboQuant's
     # `rope_center`) need token positions and the model's rotary frequencies; the cache passes positions and

@@ -28,6 +28,7 @@ class Fp16Packed(Packed):
 
 
 class Fp16Codec(Codec):
+    config_class = Fp16Config
     name = "fp16"
 
     def encode(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> Fp16Packed:

@@ -5,7 +5,7 @@ A layer's kv heads do not matter alike: in SmolLM2's layer 18 one of three heads
 groups, each with an inner codec (`fp16`, `int8` or `turboquant` at some width) built for that group's head
 count, and delegates everything to them head group by head group. Attention heads are independent, so
 scores and weighted sums split along heads exactly: no partial softmax crosses a group, and the fused
-kernels (`kvpack.kernels.fused`) run each group's inner kernel on its query heads when the key and value
+kernels (`kvpack.kernels.heads`) run each group's inner kernel on its query heads when the key and value
 codecs share one partition (as `auto` builds them).
 
 Packed layout: every group's inner tensors ride in numbered slots (`s0`, `s1`, ...) of one `HeadsPacked`,
@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from ..kernels import heads as _kernel  # noqa: F401  (registers the ("heads", "heads") entry `kernel_kind` names)
 from ..primitives.validation import check_query
 from .base import Codec, Packed, group_query
 from .spec import CodecSpec
@@ -73,8 +74,10 @@ HeadsPacked = dataclasses.make_dataclass(
 class HeadsCodec(Codec):
     """Groups of kv heads, each stored by its own codec. x: `(batch, kv_heads, tokens, head_dim)`."""
 
+    config_class = HeadsConfig
+
     name = "heads"
-    kernel_kind = "heads"  # the fused kernels split it into its groups (kvpack.kernels.fused)
+    kernel_kind = "heads"  # the kernel table splits it into its groups (kvpack.kernels.heads)
 
     def __init__(self, config: HeadsConfig, head_dim: int, kv_heads: int, layer_idx: int = 0):
         super().__init__(config, head_dim, kv_heads, layer_idx)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import kernels
+from ..kernels import int8 as _kernel  # noqa: F401  (registers the ("int8", "int8") entry `kernel_kind` names)
 from .base import Codec, Packed, chunked_scores, chunked_sum, group_query, ungroup
 
 
@@ -27,9 +28,10 @@ class Int8Packed(Packed):
 
 
 class Int8Codec(Codec):
+    config_class = Int8Config
     name = "int8"
 
-    kernel_kind = "int8"  # fused kernels read codes and scales directly (kvpack.kernels.fused)
+    kernel_kind = "int8"  # fused kernels read codes and scales directly (kvpack.kernels.int8)
 
     def encode(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> Int8Packed:
         self._check(x)

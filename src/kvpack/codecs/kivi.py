@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..kernels import kivi as _kernel  # noqa: F401  (registers the ("kivi", "kivi") entry `kernel_kind` names)
 from ..primitives.affine import quantize_affine
 from ..primitives.packing import pack_bits, unpack_bits
 from ..primitives.validation import check_query
@@ -81,6 +82,7 @@ def _collect(spread: torch.Tensor, group: int, dim: int) -> torch.Tensor:
 
 
 class KiviCodec(Codec):
+    config_class = KiviConfig
     name = "kivi"
 
     def __init__(self, config: KiviConfig, head_dim: int, kv_heads: int, layer_idx: int = 0):

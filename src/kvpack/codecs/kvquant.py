@@ -83,6 +83,8 @@ class KVQuantPacked(Packed):
 class _KVQuantBase(Codec):
     """What keys and values share: outlier bookkeeping, codebook lookup, chunked reading."""
 
+    config_class = KVQuantConfig
+
     def __init__(self, config: KVQuantConfig, head_dim: int, kv_heads: int, layer_idx: int = 0):
         super().__init__(config, head_dim, kv_heads, layer_idx)
         self.levels = 1 << config.bits

@@ -26,6 +26,7 @@ from enum import Enum
 
 import torch
 
+from ..kernels import pca_vq as _kernel  # noqa: F401  (registers the ("pca", "vq") entry `kernel_kind` names)
 from ..primitives.packing import pack_bits, packed_length, unpack_bits
 from ..primitives.pca import BIT_OPTIONS, allocate_bits, group_variances, modelled_errors, pca, rank_for_energy
 from ..primitives.rope import apply_rope, mix_pairs, relative_cos_sin, undo_rope
@@ -108,6 +109,7 @@ class PCAPacked(Packed):
 
 
 class PCAKeyCodec(UnRopedKeys, Codec):
+    config_class = PCAConfig
     name = "pca"
     uses_positions = True
     fits_on_queries = True

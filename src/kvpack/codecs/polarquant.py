@@ -46,6 +46,7 @@ class PolarQuantPacked(Packed):
 
 
 class PolarQuantCodec(Codec):
+    config_class = PolarQuantConfig
     name = "polarquant-int4"
 
     def __init__(self, config: PolarQuantConfig, head_dim: int, kv_heads: int, layer_idx: int = 0):

@@ -68,6 +68,7 @@ def _storable(x: torch.Tensor) -> torch.Tensor:
 
 
 class QJLCodec(Codec):
+    config_class = QJLConfig
     name = "qjl"
 
     def __init__(self, config: QJLConfig, head_dim: int, kv_heads: int, layer_idx: int = 0):

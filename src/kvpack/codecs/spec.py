@@ -1,5 +1,5 @@
-"""The codec table: a codec's name, its class and its config class, resolved lazily by import path so a codec file is
-imported only when a method that uses it is built; `CodecSpec` is a name plus options, validated when it is made."""
+"""The codec table: a codec's name and its class, resolved lazily by import path so a codec file is imported only when a
+method that uses it is built; `CodecSpec` is a name plus options, validated when it is made."""
 
 from __future__ import annotations
 
@@ -9,9 +9,11 @@ from typing import Any
 
 from .base import Codec
 
+# Name -> codec class by import path (one entry per codec); the class names its config dataclass (`Codec.config_class`).
 CODECS: dict[str, str] = {
     "fp16": "kvpack.codecs.fp16:Fp16Codec",
     "int8": "kvpack.codecs.int8:Int8Codec",
+    "int4": "kvpack.codecs.int4:Int4Codec",
     "turboquant": "kvpack.codecs.turboquant:TurboQuantCodec",
     "polarquant-int4": "kvpack.codecs.polarquant:PolarQuantCodec",
     "qjl": "kvpack.codecs.qjl:QJLCodec",
@@ -23,22 +25,6 @@ CODECS: dict[str, str] = {
     "subspace": "kvpack.codecs.subspace:SubspaceCodec",
     "heads": "kvpack.codecs.heads:HeadsCodec",
 }
-
-CONFIG_CLASSES: dict[str, str] = {
-    "fp16": "kvpack.codecs.fp16:Fp16Config",
-    "int8": "kvpack.codecs.int8:Int8Config",
-    "turboquant": "kvpack.codecs.turboquant:TurboQuantConfig",
-    "polarquant-int4": "kvpack.codecs.polarquant:PolarQuantConfig",
-    "qjl": "kvpack.codecs.qjl:QJLConfig",
-    "kivi": "kvpack.codecs.kivi:KiviConfig",
-    "pca": "kvpack.codecs.pca:PCAConfig",
-    "vq": "kvpack.codecs.vq:VQConfig",
-    "kvquant-key": "kvpack.codecs.kvquant:KVQuantConfig",
-    "kvquant-value": "kvpack.codecs.kvquant:KVQuantConfig",
-    "subspace": "kvpack.codecs.subspace:SubspaceConfig",
-    "heads": "kvpack.codecs.heads:HeadsConfig",
-}
-
 
 
 def load_class(path: str) -> Any:
@@ -64,7 +50,7 @@ class CodecSpec:
             raise ValueError(f"unknown codec {self.codec!r}; available: {sorted(CODECS)}")
         if not isinstance(self.options, dict):
             raise TypeError(f"options must be a dict of the codec config's fields, got {type(self.options).__name__}")
-        config_class = load_class(CONFIG_CLASSES[self.codec])
+        config_class = self.codec_class.config_class
         allowed = [f.name for f in fields(config_class)]
         unknown = sorted(set(self.options) - set(allowed))
         if unknown:

@@ -81,6 +81,7 @@ class SubspacePacked(Packed):
 
 
 class SubspaceCodec(Codec):
+    config_class = SubspaceConfig
     name = "subspace"
 
     def __init__(self, config: SubspaceConfig, head_dim: int, kv_heads: int, layer_idx: int = 0):

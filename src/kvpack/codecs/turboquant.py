@@ -25,6 +25,7 @@ import torch
 
 from .. import kernels
 from ..kernels import cpu_lut, ops
+from ..kernels import tq as _kernel  # noqa: F401  (registers the ("tq", "tq") entry `kernel_kind` names)
 from ..primitives import trellis
 from ..primitives.lloyd_max import DISTRIBUTIONS, Codebook, lloyd_max_codebook
 from ..primitives.packing import pack_bits, unpack_bits
@@ -165,6 +166,7 @@ def turning_means(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tupl
 
 
 class TurboQuantCodec(UnRopedKeys, Codec):
+    config_class = TurboQuantConfig
     name = "turboquant"
     uses_positions = False  # the class default; an instance with `rope_center` reads positions (set in __init__)
 
@@ -437,7 +439,7 @@ class TurboQuantCodec(UnRopedKeys, Codec):
             out = residual if out is None else out + residual
         return out
 
-    # -- fused attention hooks (kvpack.kernels.fused reads these) -----------------------------------
+    # -- fused attention hooks (kvpack.kernels.tq reads these) -----------------------------------
     @property
     def kernel_kind(self) -> str | None:
         """"tq" when a fused kernel can read this codec's blocks (MSE codes only), else None."""

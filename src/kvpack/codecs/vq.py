@@ -82,6 +82,7 @@ class VQPacked(Packed):
 
 
 class VQValueCodec(Codec):
+    config_class = VQConfig
     name = "vq"
     fits_to_budget = True
 
@@ -229,7 +230,7 @@ class VQValueCodec(Codec):
     def kernel_state(self) -> dict:
         """Codebooks `(1 or kv_heads, entries, group_size)` as stored (float16) and the index width, for the fused
         kernels: the CPU kernel widens them per call (a few KB), so no float32 copy is held beside the codec's own
-        (memory_report counts what a codec holds); the device ops take them in float32 (`kernels.fused`)."""
+        (memory_report counts what a codec holds); the kernels widen them to float32 (`kernels.pca_vq`)."""
         return {"books": self.codebooks, "bits": self.bits}
 
     def kernel_output(self, o: torch.Tensor) -> torch.Tensor:

@@ -1,17 +1,18 @@
-"""CPU kernels for compressed-domain decode attention, built from `lut_kernels.cpp` on first use.
+"""CPU kernels for compressed-domain decode attention, built from the families in `cpp/` on first use.
 
 TurboQuant (`lut_scores`, `lut_weighted_sum`) never widens codes into a float K or V: scores
 read a per-byte table of query x centroid partial sums (nbytes x 256 floats per query row), and
 weighted sums scatter p·norm into the transposed table, contracted with the centroids once at
 the end. int8 (`int8_scores`, `int8_weighted_sum`) widens one token row at a time in registers.
 
-The extension is compiled with `torch.utils.cpp_extension.load` (`-O3 -march=native`, OpenMP
-when the compiler supports it) into torch's extensions directory (`$TORCH_EXTENSIONS_DIR`), once per
+Every `cpp/*.cpp` file (one kernel family each, over the shared online-softmax header `cpp/softmax.h`) is compiled
+into one extension with `torch.utils.cpp_extension.load` (`-O3 -march=native`, OpenMP when the compiler supports it) into torch's extensions directory (`$TORCH_EXTENSIONS_DIR`), once per
 CPU feature set and source version, announced by one line on stderr; `KVCache(model, ...)` on CPU
 triggers it, so it never happens silently inside the first decode step.
 Any build failure makes `available()` False, with one warning, and callers keep their torch path.
-Each launcher checks shapes and dtypes before the C++ call; the references here are the codecs'
-torch math (unpack, look up, matmul) that the tests hold the kernels to.
+Each launcher checks shapes and dtypes before the C++ call. The attention kernels' references are the ops' contract
+in `reference.py`; the references here are those of the helpers that have no op (scores and weighted sums, encode
+steps, k-means).
 """
 
 from __future__ import annotations
@@ -33,10 +34,11 @@ from ..primitives.kmeans import d2_picks as kmeans_d2_picks
 from ..primitives.packing import pack_bits, packed_length
 from . import reference
 
-SOURCE = Path(__file__).with_name("lut_kernels.cpp")
+SOURCE_DIR = Path(__file__).with_name("cpp")
+SOURCES = tuple(sorted(SOURCE_DIR.glob("*.cpp")))  # one family per file, each adding its functions with KVPACK_BIND
 LUT_BITS = (1, 2, 3, 4)
 BACKENDS = ("auto", "torch")  # values of $KVPACK_KERNELS
-TURN_TILE = 64  # tokens per tile of the turning-mean scores (lut_kernels.cpp kTurnTile): the width of their phasor table
+TURN_TILE = 64  # tokens per tile of the turning-mean scores (cpp/tq.cpp kTurnTile): the width of their phasor table
 
 
 def _cpu_tag() -> str:
@@ -55,7 +57,11 @@ def _build_name(openmp: bool) -> str:
     """One build per CPU feature set, source version and Python environment: a changed source is a new
     name, never a silent rebuild. torch shares one build directory per Python version, and its build
     flags name the environment's torch headers, so two environments sharing a name rebuilt it in turn."""
-    source = hashlib.sha1(SOURCE.read_bytes()).hexdigest()[:8]
+    digest = hashlib.sha1()
+    for path in sorted(SOURCE_DIR.iterdir()):  # the header too: a change anywhere is a new build
+        if path.suffix in (".cpp", ".h"):
+            digest.update(path.name.encode() + path.read_bytes())
+    source = digest.hexdigest()[:8]
     env = hashlib.sha1(sys.prefix.encode()).hexdigest()[:6]
     return f"kvpack_lut_{_cpu_tag()}_{source}_{env}{'_omp' if openmp else ''}"
 
@@ -87,7 +93,7 @@ def _extension() -> ModuleType | None:
         if building:
             print(f"kvpack: compiling its CPU kernels for this CPU (once, about a minute): {name}", file=sys.stderr, flush=True)
         try:
-            ext = load(name=name, sources=[str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"] if openmp else [], verbose=False)
+            ext = load(name=name, sources=[str(p) for p in SOURCES], extra_include_paths=[str(SOURCE_DIR)], extra_cflags=flags, extra_ldflags=["-fopenmp"] if openmp else [], verbose=False)
         except Exception as e:  # no compiler, no headers, a linker error: all mean "use torch"
             errors.append(f"{'with' if openmp else 'without'} OpenMP: {type(e).__name__}: {str(e).strip()[-300:]}")
             continue
@@ -98,7 +104,8 @@ def _extension() -> ModuleType | None:
     return None
 
 
-def _ext() -> ModuleType:
+def extension() -> ModuleType:
+    """The built extension (each family's functions by name); RuntimeError when the build failed."""
     ext = _extension()
     if ext is None:
         raise RuntimeError("kvpack CPU kernels failed to build (see the earlier warning); check kvpack.kernels.available() first")
@@ -112,7 +119,13 @@ def unavailable_reason() -> str | None:
 
 def backend() -> str:
     """`$KVPACK_KERNELS`: "auto" (default: kernels when they build) or "torch" (force the torch path)."""
-    value = os.environ.get("KVPACK_KERNELS", "auto").strip().lower() or "auto"
+    return _parse_kernels(os.environ.get("KVPACK_KERNELS", "auto"))
+
+
+@cache
+def _parse_kernels(raw: str) -> str:
+    """`$KVPACK_KERNELS` parsed once per value: every op call on CPU asks."""
+    value = raw.strip().lower() or "auto"
     if value not in BACKENDS:
         raise ValueError(f"KVPACK_KERNELS must be one of {BACKENDS}, got {value!r}")
     return value
@@ -152,7 +165,7 @@ def lut_scores(q_rot: torch.Tensor, codes: torch.Tensor, norm: torch.Tensor, cen
     q_rot = _check("q_rot", q_rot, torch.float32, (None, None, None, None))
     b, h, _, d = q_rot.shape
     codes, norm, centroids = _check_lut(codes, norm, centroids, bits, b, h, d)
-    return _ext().lut_scores(q_rot, codes, norm, centroids, bits)
+    return extension().lut_scores(q_rot, codes, norm, centroids, bits)
 
 
 def lut_weighted_sum(p: torch.Tensor, codes: torch.Tensor, norm: torch.Tensor, centroids: torch.Tensor, bits: int, d: int) -> torch.Tensor:
@@ -162,7 +175,7 @@ def lut_weighted_sum(p: torch.Tensor, codes: torch.Tensor, norm: torch.Tensor, c
     codes, norm, centroids = _check_lut(codes, norm, centroids, bits, b, h, d)
     if codes.shape[2] != t:
         raise ValueError(f"p covers {t} tokens but codes hold {codes.shape[2]}")
-    return _ext().lut_weighted_sum(p, codes, norm, centroids, bits, d)
+    return extension().lut_weighted_sum(p, codes, norm, centroids, bits, d)
 
 
 def int8_scores(q: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -171,7 +184,7 @@ def int8_scores(q: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> to
     b, h, _, d = q.shape
     codes = _check("codes", codes, torch.int8, (b, h, None, d))
     scale = _check("scale", scale, torch.float16, (b, h, codes.shape[2], 1))
-    return _ext().int8_scores(q, codes, scale)
+    return extension().int8_scores(q, codes, scale)
 
 
 def int8_weighted_sum(p: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -180,7 +193,7 @@ def int8_weighted_sum(p: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor)
     b, h, _, t = p.shape
     codes = _check("codes", codes, torch.int8, (b, h, t, None))
     scale = _check("scale", scale, torch.float16, (b, h, t, 1))
-    return _ext().int8_weighted_sum(p, codes, scale)
+    return extension().int8_weighted_sum(p, codes, scale)
 
 
 def _rows_contiguous(t: torch.Tensor) -> bool:
@@ -212,12 +225,12 @@ def tq_attention(q_rot, row_offset, k_codes, k_norm, k_cent, k_bits: int, v_code
     left out of the partial for every row and head (a segment's anchors, kept exact elsewhere), or None.
     `turning`: keys centered on a turning mean (`TurboQuantCodec.kernel_turning`), `(q (B, H, R, d) f32, pair (H, M)
     i64, mu (H, M, 2) f32, freq (d/2,) f64, w (d/2, 2, 64) f32 (`phasor_table`), pos0 (B,) i64)`: each raw score
-    also gains `Σ_m A_m cos(θ_m p_t) + B_m sin(θ_m p_t)` (`turning_scores_reference`), or None.
+    also gains `Σ_m A_m cos(θ_m p_t) + B_m sin(θ_m p_t)` (`reference.turning_scores`), or None.
     """
     extra = [] if turning is None else list(turning)
     if not validate:
         off = torch.empty(0) if row_offset is None else row_offset
-        return tuple(_ext().tq_attention(q_rot, off, k_codes, k_norm, k_cent, k_bits, v_codes, v_norm, v_cent, v_bits, float(scale), _skip(skip),
+        return tuple(extension().tq_attention(q_rot, off, k_codes, k_norm, k_cent, k_bits, v_codes, v_norm, v_cent, v_bits, float(scale), _skip(skip),
                                          extra))
     q_rot = _check("q_rot", q_rot, torch.float32, (None, None, None, None))
     b, h, r, d = q_rot.shape
@@ -236,7 +249,7 @@ def tq_attention(q_rot, row_offset, k_codes, k_norm, k_cent, k_bits: int, v_code
     reference.check_table("v_cent", v_cent, v_bits, v_cent.device)
     if turning is not None:
         _check_turning(turning, (b, h, r, d))
-    return tuple(_ext().tq_attention(q_rot, off, k_codes, k_norm, k_cent, k_bits, v_codes, v_norm, v_cent, v_bits, float(scale),
+    return tuple(extension().tq_attention(q_rot, off, k_codes, k_norm, k_cent, k_bits, v_codes, v_norm, v_cent, v_bits, float(scale),
                                      _checked_skip(skip, t), extra))
 
 
@@ -283,7 +296,7 @@ def dense_attention(q, k, k_scale, v, v_scale, scale: float, validate: bool = Tr
     """
     if not validate:
         none = torch.empty(0)
-        return tuple(_ext().dense_attention(q, k, none if k_scale is None else k_scale, v, none if v_scale is None else v_scale, float(scale),
+        return tuple(extension().dense_attention(q, k, none if k_scale is None else k_scale, v, none if v_scale is None else v_scale, float(scale),
                                             _skip(skip)))
     q = _check("q", q, torch.float32, (None, None, None, None))
     b, h, _, d = q.shape
@@ -294,7 +307,7 @@ def dense_attention(q, k, k_scale, v, v_scale, scale: float, validate: bool = Tr
     v = _check_rows("v", v, v.dtype, (b, h, t, None))
     ks = torch.empty(0) if k_scale is None else _check_rows("k_scale", k_scale, torch.float16, (b, h, t, 1))
     vs = torch.empty(0) if v_scale is None else _check_rows("v_scale", v_scale, torch.float16, (b, h, t, 1))
-    return tuple(_ext().dense_attention(q, k, ks, v, vs, float(scale), _checked_skip(skip, t)))
+    return tuple(extension().dense_attention(q, k, ks, v, vs, float(scale), _checked_skip(skip, t)))
 
 
 _NONE, _NONE_I8 = torch.empty(0), torch.empty(0, dtype=torch.int8)  # "no integer form" for the C++ call
@@ -304,7 +317,7 @@ _NONE_I64 = torch.empty(0, dtype=torch.long)  # "skip no token"
 def int8_rebuild() -> bool:
     """Whether the built kernels rebuild Shard's keys with integer (VNNI) products: chosen when the
     extension compiles for this CPU (`-march=native`), so an AVX2-only CPU keeps the float rebuild."""
-    return available() and bool(_ext().int8_rebuild())
+    return available() and bool(extension().int8_rebuild())
 
 
 def int8_basis(basis_t: torch.Tensor, mean: torch.Tensor, qmax: torch.Tensor) -> dict[str, torch.Tensor] | None:
@@ -331,6 +344,18 @@ def int8_basis(basis_t: torch.Tensor, mean: torch.Tensor, qmax: torch.Tensor) ->
             "mean8": mean8.float().contiguous()}
 
 
+def pca_integer_form(keys: dict) -> dict[str, torch.Tensor] | None:
+    """`keys["int8"]` of a `PCAKeyCodec.kernel_state()`: the basis' integer form (`int8_basis`, or None), derived on the
+    first call. A codec's kernel_state() is cached per fit, so this memoizes there. The integer rebuild never reads
+    the float basis, so it is dropped (4x the stored int8 basis; memory_report counts what a codec holds): the
+    reference and Triton rebuild it from the integer form (`reference.pca_basis_t`)."""
+    if "int8" not in keys:
+        keys["int8"] = int8_basis(keys["basis_t"], keys["mean"], keys["qmax"])
+        if keys["int8"] is not None:
+            keys["basis_t"] = _NONE
+    return keys["int8"]
+
+
 def pca_vq_attention(q, pos0, keys: dict, k_codes, v_state: dict, v_idx, v_norm, scale: float, validate: bool = True,
                      skip: torch.Tensor | None = None):
     """Online-softmax partial over a Shard segment: PCA-coefficient keys (RoPE undone) and VQ values.
@@ -345,17 +370,11 @@ def pca_vq_attention(q, pos0, keys: dict, k_codes, v_state: dict, v_idx, v_norm,
     Returns m, l (B, kv, R, 1) and o (B, kv, R, d) f32, o in VQ's rotated, channel-normalized space.
     `validate=False`, `skip`: as in `tq_attention`.
     """
-    if "int8" not in keys:  # derived once: a codec's kernel_state() is cached per fit, so this memoizes there
-        keys["int8"] = int8_basis(keys["basis_t"], keys["mean"], keys["qmax"])
-        if keys["int8"] is not None:
-            # The integer rebuild never reads the float basis: drop it (4x the stored int8 basis; memory_report counts
-            # what a codec holds). The device ops rebuild it from the codec (`PCAKeyCodec.kernel_basis_t`).
-            keys["basis_t"] = _NONE
-    integer = keys["int8"]
+    integer = pca_integer_form(keys)
     integer = (integer["w8"], integer["col_scale"], integer["mean8"]) if integer is not None else (_NONE_I8, _NONE, _NONE)
     if not validate:
         norm = torch.empty(0) if v_norm is None else v_norm
-        return tuple(_ext().pca_vq_attention(q, pos0, keys["inv_freq"], float(keys["rope_scale"]), k_codes, keys["bitpos"], keys["bits"],
+        return tuple(extension().pca_vq_attention(q, pos0, keys["inv_freq"], float(keys["rope_scale"]), k_codes, keys["bitpos"], keys["bits"],
                                              keys["qmax"], keys["basis_t"], keys["mean"], v_idx, int(v_state["bits"]), norm,
                                              v_state["books"], float(scale), *integer, _skip(skip)))
     q = _check("q", q, torch.float32, (None, None, None, None))
@@ -379,7 +398,7 @@ def pca_vq_attention(q, pos0, keys: dict, k_codes, v_state: dict, v_idx, v_norm,
     v_idx = _check_rows("v_idx", v_idx, torch.uint8, (b, kv, t, packed_length(d // books.shape[2], vbits)))
     norm = torch.empty(0) if v_norm is None else _check_rows("v_norm", v_norm, torch.float16, (b, kv, t, 1))
     return tuple(
-        _ext().pca_vq_attention(
+        extension().pca_vq_attention(
             q, _check("pos0", pos0, torch.long, (b,)), _check("inv_freq", keys["inv_freq"], torch.float32, (d // 2,)),
             float(keys["rope_scale"]), k_codes, _check("bitpos", keys["bitpos"], torch.int32, (rank,)),
             _check("bits", keys["bits"], torch.uint8, (rank,)), _check("qmax", keys["qmax"], torch.float32, (rank,)),
@@ -392,7 +411,7 @@ def pca_vq_attention(q, pos0, keys: dict, k_codes, v_state: dict, v_idx, v_norm,
 def merge_partials(ms: list[torch.Tensor], ls: list[torch.Tensor], os_: list[torch.Tensor]) -> torch.Tensor:
     """Normalized attention `(B, H, R, d)` f32 from parts' partials m, l `(B, H, R, 1)`, o `(B, H, R, d)` f32:
     `Σ_i e^(m_i - M) o_i / Σ_i e^(m_i - M) l_i` with `M = max_i m_i` (one call instead of ~10 torch ops)."""
-    return _ext().merge_partials(list(ms), list(ls), list(os_))
+    return extension().merge_partials(list(ms), list(ls), list(os_))
 
 
 def quantize_pack(y: torch.Tensor, boundaries: torch.Tensor, bits: int) -> torch.Tensor:
@@ -404,7 +423,7 @@ def quantize_pack(y: torch.Tensor, boundaries: torch.Tensor, bits: int) -> torch
     if bits not in range(1, 9):
         raise ValueError(f"bits must be in 1..8, got {bits!r}")
     boundaries = _check("boundaries", boundaries, torch.float32, (2**bits - 1,))
-    return _ext().quantize_pack(y, boundaries, bits)
+    return extension().quantize_pack(y, boundaries, bits)
 
 
 def quantize_pack_reference(y: torch.Tensor, boundaries: torch.Tensor, bits: int) -> torch.Tensor:
@@ -419,7 +438,7 @@ def trellis_encode(y: torch.Tensor, codebook: torch.Tensor, bits: int) -> torch.
         return reference.trellis_encode(y, codebook, bits)
     reference.check_trellis_encode(y, codebook, bits)  # (2**L,) with L a multiple of bits, up to 12: what the C++ search takes
     flat = y.float().reshape(-1, y.shape[-1])
-    return _ext().trellis_encode(flat, codebook.float().contiguous(), bits).view(y.shape)
+    return extension().trellis_encode(flat, codebook.float().contiguous(), bits).view(y.shape)
 
 
 def nearest_codeword(x: torch.Tensor, centroids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -431,7 +450,7 @@ def nearest_codeword(x: torch.Tensor, centroids: torch.Tensor) -> tuple[torch.Te
     x = _check("x", x.float(), torch.float32, (None, None, None))
     g, _, d = x.shape
     centroids = _check("centroids", centroids.float().contiguous(), torch.float32, (g, None, d))
-    index, dist = _ext().nearest_codeword(x, centroids)
+    index, dist = extension().nearest_codeword(x, centroids)
     return index, dist
 
 
@@ -448,7 +467,7 @@ def d2_picks(x: torch.Tensor, first: torch.Tensor, u: torch.Tensor) -> torch.Ten
     x = _check("x", x.float(), torch.float32, (None, None, None))
     first = _check("first", first, torch.int64, (x.shape[0],))
     u = _check("u", u, torch.float64, (x.shape[0], None))
-    return _ext().d2_picks(x, first, u)
+    return extension().d2_picks(x, first, u)
 
 
 def d2_picks_reference(x: torch.Tensor, first: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -472,8 +491,8 @@ def head_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None = None,
     if not (_serial(x, x.numel() * w.shape[-1]) and w.dtype == torch.float32):
         return head_matmul_reference(x, w, s, bias)
     if s is None:
-        return _ext().head_matmul(x, w, _NONE, _NONE)
-    return _ext().head_matmul(x, w, s.float(), bias.float())
+        return extension().head_matmul(x, w, _NONE, _NONE)
+    return extension().head_matmul(x, w, s.float(), bias.float())
 
 
 def head_matmul_reference(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -490,7 +509,7 @@ def fwht_rows(x: torch.Tensor, pre: torch.Tensor | None = None, post: torch.Tens
     if not _serial(x, x.numel() * max(1, d.bit_length())):
         return fwht_rows_reference(x, pre, post, s, bias)
     none = _NONE
-    return _ext().fwht_rows(x, none if pre is None else pre.float(), none if post is None else post.float(),
+    return extension().fwht_rows(x, none if pre is None else pre.float(), none if post is None else post.float(),
                             none if s is None else s.float(), none if bias is None else bias.float())
 
 
@@ -505,15 +524,7 @@ def fwht_rows_reference(x, pre=None, post=None, s=None, bias=None) -> torch.Tens
 MAX_FUSED_ROWS = 16
 
 
-# -- references (the codecs' torch math) -------------------------------------------------------
-def partial_reference(s: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(m, l, o) of scaled scores `s (B, H, R, T)` over float `values (B, H, T, dv)`; masked rows give l = o = 0."""
-    m = s.amax(-1, keepdim=True)
-    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
-    p = torch.exp(s - m)
-    return m, p.sum(-1, keepdim=True), p @ values
-
-
+# -- RoPE phasors of the turning-mean scores ----------------------------------------------------------------
 _PHASORS: dict[int, tuple] = {}  # id(inv_freq) -> (weak reference to it, freq, table)
 
 
@@ -532,40 +543,13 @@ def phasor_table(inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return hit[1], hit[2]
 
 
-def turning_scores_reference(turning: tuple, tokens: int) -> torch.Tensor:
-    """`(B, H, R, tokens)` raw-score terms of keys centered on a turning mean (see `tq_attention`): the ops' float64
-    reference (`reference.turning_scores`, a cos/sin per token and pair; the kernel's phasors come from tables and
-    recurrences instead)."""
-    q, pair, mu, freq, _, pos0 = turning
-    return reference.turning_scores(q, pair, mu, freq, pos0, 0, tokens).float()
-
-
-def tq_attention_reference(q_rot, row_offset, k_codes, k_norm, k_cent, k_bits, v_codes, v_norm, v_cent, v_bits, scale, turning=None):
-    s = lut_scores_reference(q_rot, k_codes, k_norm, k_cent, k_bits)
-    if row_offset is not None:
-        s = s + row_offset
-    if turning is not None:
-        s = s + turning_scores_reference(turning, k_codes.shape[2])
-    v = lut_centroids_reference(v_codes, v_cent, v_bits, q_rot.shape[-1]) * v_norm.float()
-    return partial_reference(s * scale, v)
-
-
-def dense_attention_reference(q, k, k_scale, v, v_scale, scale):
-    kf = k.float() * (1 if k_scale is None else k_scale.float())
-    vf = v.float() * (1 if v_scale is None else v_scale.float())
-    return partial_reference((q @ kf.mT) * scale, vf)
-
-def lut_centroids_reference(codes: torch.Tensor, centroids: torch.Tensor, bits: int, d: int) -> torch.Tensor:
-    """`(B, H, T, d)` float32 centroids read from packed codes (or trellis windows, for a `(2**L,)` table)."""
-    return reference.code_values(codes, centroids, bits, d)
-
-
+# -- references of the helpers without an op (the attention kernels' are the ops' in reference.py) ---------
 def lut_scores_reference(q_rot, codes, norm, centroids, bits: int) -> torch.Tensor:
-    return (q_rot @ lut_centroids_reference(codes, centroids, bits, q_rot.shape[-1]).mT) * norm.float().mT
+    return (q_rot @ reference.code_values(codes, centroids, bits, q_rot.shape[-1]).mT) * norm.float().mT
 
 
 def lut_weighted_sum_reference(p, codes, norm, centroids, bits: int, d: int) -> torch.Tensor:
-    return (p * norm.float().mT) @ lut_centroids_reference(codes, centroids, bits, d)
+    return (p * norm.float().mT) @ reference.code_values(codes, centroids, bits, d)
 
 
 def int8_scores_reference(q, codes, scale) -> torch.Tensor:

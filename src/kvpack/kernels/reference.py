@@ -48,7 +48,7 @@ _TINY = torch.finfo(torch.float32).tiny
 
 
 # -- validation ----------------------------------------------------------------------------------
-def _expect(name: str, t: torch.Tensor | None, dtypes: tuple[torch.dtype, ...], shape: tuple, device: torch.device) -> None:
+def expect(name: str, t: torch.Tensor | None, dtypes: tuple[torch.dtype, ...], shape: tuple, device: torch.device) -> None:
     """`t` a tensor on `device` with a dtype in `dtypes` and `shape` (None entries are free)."""
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -64,19 +64,19 @@ def _expect(name: str, t: torch.Tensor | None, dtypes: tuple[torch.dtype, ...], 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def _check_query(name: str, q: torch.Tensor) -> tuple[int, int, int, int]:
+def check_query(name: str, q: torch.Tensor) -> tuple[int, int, int, int]:
     if not isinstance(q, torch.Tensor) or q.dim() != 4:
         raise ValueError(f"{name} must be a 4-D tensor (batch, kv_heads, rows, head_dim), got {getattr(q, 'shape', type(q).__name__)}")
-    _expect(name, q, _FLOATS, (None,) * 4, q.device)
+    expect(name, q, _FLOATS, (None,) * 4, q.device)
     return tuple(q.shape)
 
 
-def _check_mask(q: torch.Tensor, t: int, row_offset: torch.Tensor | None, bias: torch.Tensor | None, softcap: float) -> None:
+def check_mask(q: torch.Tensor, t: int, row_offset: torch.Tensor | None, bias: torch.Tensor | None, softcap: float) -> None:
     b, h, r, _ = q.shape
     if row_offset is not None:
-        _expect("row_offset", row_offset, _FLOATS, (b, h, r, 1), q.device)
+        expect("row_offset", row_offset, _FLOATS, (b, h, r, 1), q.device)
     if bias is not None:
-        _expect("bias", bias, _FLOATS, (None, None, None, t), q.device)
+        expect("bias", bias, _FLOATS, (None, None, None, t), q.device)
         bb, bh, n, _ = bias.shape
         if bb not in (1, b) or bh not in (1, h) or n < 1 or r % n:
             raise ValueError(f"bias must have shape (1 or {b}, 1 or {h}, n, {t}) with n dividing the {r} query rows, got {tuple(bias.shape)}")
@@ -100,14 +100,14 @@ def check_turning(q_rot: torch.Tensor, turn_q, turn_pair, turn_mu, turn_freq, tu
     if d % 2:
         raise ValueError(f"turning means need an even head dim (RoPE pairs), got {d}")
     dev = q_rot.device
-    _expect("turn_q", turn_q, (torch.float32,), (b, h, r, d), dev)
-    _expect("turn_pair", turn_pair, (torch.int64,), (h, None), dev)
+    expect("turn_q", turn_q, (torch.float32,), (b, h, r, d), dev)
+    expect("turn_pair", turn_pair, (torch.int64,), (h, None), dev)
     m = turn_pair.shape[1]
     if not 1 <= m <= d // 2:
         raise ValueError(f"turn_pair must hold 1..{d // 2} RoPE pairs per head, got {m}")
-    _expect("turn_mu", turn_mu, (torch.float32,), (h, m, 2), dev)
-    _expect("turn_freq", turn_freq, (torch.float64,), (d // 2,), dev)
-    _expect("turn_pos0", turn_pos0, (torch.int64,), (b,), dev)
+    expect("turn_mu", turn_mu, (torch.float32,), (h, m, 2), dev)
+    expect("turn_freq", turn_freq, (torch.float64,), (d // 2,), dev)
+    expect("turn_pos0", turn_pos0, (torch.int64,), (b,), dev)
 
 
 def turning_scores(turn_q, turn_pair, turn_mu, turn_freq, turn_pos0, t0: int, t1: int) -> torch.Tensor:
@@ -126,26 +126,26 @@ def turning_scores(turn_q, turn_pair, turn_mu, turn_freq, turn_pos0, t0: int, t1
 
 
 def check_tq_attention(q_rot, k_codes, k_norm, k_centroids, k_bits, v_codes, v_norm, v_centroids, v_bits, d, row_offset, bias, softcap) -> None:
-    b, h, _, dk = _check_query("q_rot", q_rot)
+    b, h, _, dk = check_query("q_rot", q_rot)
     _check_bits("k_bits", k_bits, TQ_BITS)
     _check_bits("v_bits", v_bits, TQ_BITS)
     dev = q_rot.device
-    _expect("k_codes", k_codes, (torch.uint8,), (b, h, None, packed_length(dk, k_bits)), dev)
+    expect("k_codes", k_codes, (torch.uint8,), (b, h, None, packed_length(dk, k_bits)), dev)
     t = k_codes.shape[2]
-    _expect("k_norm", k_norm, (torch.float16,), (b, h, t, 1), dev)
+    expect("k_norm", k_norm, (torch.float16,), (b, h, t, 1), dev)
     check_table("k_centroids", k_centroids, k_bits, dev)
     if not isinstance(d, int) or d < 1:
         raise ValueError(f"d (the value head dim) must be a positive int, got {d!r}")
-    _expect("v_codes", v_codes, (torch.uint8,), (b, h, t, packed_length(d, v_bits)), dev)
-    _expect("v_norm", v_norm, (torch.float16,), (b, h, t, 1), dev)
+    expect("v_codes", v_codes, (torch.uint8,), (b, h, t, packed_length(d, v_bits)), dev)
+    expect("v_norm", v_norm, (torch.float16,), (b, h, t, 1), dev)
     check_table("v_centroids", v_centroids, v_bits, dev)
-    _check_mask(q_rot, t, row_offset, bias, softcap)
+    check_mask(q_rot, t, row_offset, bias, softcap)
 
 
 def check_table(name: str, table: torch.Tensor, bits: int, device: torch.device) -> None:
     """A TurboQuant lookup table: `(2**bits,)` centroids of scalar codes, or `(2**L,)` for trellis codes (L a multiple of
     bits, bits < L <= TRELLIS_MAX_BITS; see `code_values`)."""
-    _expect(name, table, (torch.float32,), (None,), device)
+    expect(name, table, (torch.float32,), (None,), device)
     size = table.numel()
     state_bits = size.bit_length() - 1
     if size != 1 << state_bits or state_bits % bits or not bits <= state_bits <= TRELLIS_MAX_BITS:
@@ -166,86 +166,86 @@ def code_values(codes: torch.Tensor, table: torch.Tensor, bits: int, n: int) -> 
 
 
 def check_int8_attention(q, k_codes, k_scale, v_codes, v_scale, bias, softcap) -> None:
-    b, h, _, d = _check_query("q", q)
-    _expect("k_codes", k_codes, (torch.int8,), (b, h, None, d), q.device)
+    b, h, _, d = check_query("q", q)
+    expect("k_codes", k_codes, (torch.int8,), (b, h, None, d), q.device)
     t = k_codes.shape[2]
-    _expect("k_scale", k_scale, (torch.float16,), (b, h, t, 1), q.device)
-    _expect("v_codes", v_codes, (torch.int8,), (b, h, t, None), q.device)
-    _expect("v_scale", v_scale, (torch.float16,), (b, h, t, 1), q.device)
-    _check_mask(q, t, None, bias, softcap)
+    expect("k_scale", k_scale, (torch.float16,), (b, h, t, 1), q.device)
+    expect("v_codes", v_codes, (torch.int8,), (b, h, t, None), q.device)
+    expect("v_scale", v_scale, (torch.float16,), (b, h, t, 1), q.device)
+    check_mask(q, t, None, bias, softcap)
 
 
 def check_kivi_attention(q, k_codes, k_scale, k_zero, k_bits, k_group, v_codes, v_scale, v_zero, v_bits, v_group, bias, softcap) -> None:
-    b, h, _, d = _check_query("q", q)
+    b, h, _, d = check_query("q", q)
     _check_bits("k_bits", k_bits, KIVI_BITS)
     _check_bits("v_bits", v_bits, KIVI_BITS)
     for name, g in (("k_group", k_group), ("v_group", v_group)):
         if not isinstance(g, int) or g < 1:
             raise ValueError(f"{name} must be a positive int, got {g!r}")
     dev = q.device
-    _expect("k_codes", k_codes, (torch.uint8,), (b, h, None, packed_length(d, k_bits)), dev)
+    expect("k_codes", k_codes, (torch.uint8,), (b, h, None, packed_length(d, k_bits)), dev)
     t = k_codes.shape[2]
     if t % k_group:
         raise ValueError(f"KIVI keys hold whole groups of k_group={k_group} tokens, got {t} tokens")
     per_row = -(-d // k_group)
-    _expect("k_scale", k_scale, (torch.float16,), (b, h, t, per_row), dev)
-    _expect("k_zero", k_zero, (torch.float16,), (b, h, t, per_row), dev)
-    _expect("v_scale", v_scale, (torch.float16,), (b, h, t, None), dev)
+    expect("k_scale", k_scale, (torch.float16,), (b, h, t, per_row), dev)
+    expect("k_zero", k_zero, (torch.float16,), (b, h, t, per_row), dev)
+    expect("v_scale", v_scale, (torch.float16,), (b, h, t, None), dev)
     dv = v_scale.shape[-1] * v_group
-    _expect("v_zero", v_zero, (torch.float16,), (b, h, t, v_scale.shape[-1]), dev)
-    _expect("v_codes", v_codes, (torch.uint8,), (b, h, t, packed_length(dv, v_bits)), dev)
-    _check_mask(q, t, None, bias, softcap)
+    expect("v_zero", v_zero, (torch.float16,), (b, h, t, v_scale.shape[-1]), dev)
+    expect("v_codes", v_codes, (torch.uint8,), (b, h, t, packed_length(dv, v_bits)), dev)
+    check_mask(q, t, None, bias, softcap)
 
 
 def check_pca_vq_attention(q, pos0, bitpos, bits, qmax, basis_t, mean, inv_freq, rope_scale, k_codes, books, v_bits, v_idx, v_norm,
                            bias, softcap) -> None:
-    b, kv, _, d = _check_query("q", q)
+    b, kv, _, d = check_query("q", q)
     dev = q.device
     if d % 2:
         raise ValueError(f"rotate-half RoPE needs an even head_dim, got {d}")
-    _expect("pos0", pos0, (torch.int64,), (b,), dev)
-    _expect("basis_t", basis_t, (torch.float32,), (None, None, None), dev)
+    expect("pos0", pos0, (torch.int64,), (b,), dev)
+    expect("basis_t", basis_t, (torch.float32,), (None, None, None), dev)
     groups, rank, gdim = basis_t.shape
     if groups < 1 or kv % groups or gdim != kv // groups * d:
         raise ValueError(f"basis_t must be (groups, rank, kv_heads / groups * {d}) with groups dividing the {kv} kv heads, got {tuple(basis_t.shape)}")
     for name, t, dtype in (("bitpos", bitpos, torch.int32), ("bits", bits, torch.uint8), ("qmax", qmax, torch.float32)):
-        _expect(name, t, (dtype,), (rank,), dev)
-    _expect("mean", mean, (torch.float32,), (groups, gdim), dev)
-    _expect("inv_freq", inv_freq, (torch.float32,), (d // 2,), dev)
+        expect(name, t, (dtype,), (rank,), dev)
+    expect("mean", mean, (torch.float32,), (groups, gdim), dev)
+    expect("inv_freq", inv_freq, (torch.float32,), (d // 2,), dev)
     if not rope_scale > 0:
         raise ValueError(f"rope_scale (the model's attention scaling) must be > 0, got {rope_scale!r}")
-    _expect("k_codes", k_codes, (torch.uint8,), (b, groups, None, None), dev)
+    expect("k_codes", k_codes, (torch.uint8,), (b, groups, None, None), dev)
     t = k_codes.shape[2]
-    _expect("books", books, (torch.float32,), (None, None, None), dev)
+    expect("books", books, (torch.float32, torch.float16), (None, None, None), dev)
     n_books, _, gsize = books.shape
     if n_books not in (1, kv) or gsize < 1 or d % gsize:
         raise ValueError(f"books must be (1 or {kv}, entries, group size dividing {d}), got {tuple(books.shape)}")
     _check_bits("v_bits", v_bits, VQ_BITS)
-    _expect("v_idx", v_idx, (torch.uint8,), (b, kv, t, packed_length(d // gsize, v_bits)), dev)
+    expect("v_idx", v_idx, (torch.uint8,), (b, kv, t, packed_length(d // gsize, v_bits)), dev)
     if v_norm is not None:
-        _expect("v_norm", v_norm, (torch.float16,), (b, kv, t, 1), dev)
-    _check_mask(q, t, None, bias, softcap)
+        expect("v_norm", v_norm, (torch.float16,), (b, kv, t, 1), dev)
+    check_mask(q, t, None, bias, softcap)
 
 
 def check_tq_encode(x, mean, inv_scale, signs, boundaries, bits) -> None:
     if not isinstance(x, torch.Tensor) or x.dim() != 4:
         raise ValueError(f"x must be a 4-D tensor (batch, kv_heads, tokens, head_dim), got {getattr(x, 'shape', type(x).__name__)}")
-    _expect("x", x, _FLOATS, (None,) * 4, x.device)
+    expect("x", x, _FLOATS, (None,) * 4, x.device)
     _, h, _, d = x.shape
     if not is_power_of_two(d) or d < 8:
         raise ValueError(f"tq_encode needs a power-of-two head_dim >= 8 (the Walsh-Hadamard rotation), got {d}")
     _check_bits("bits", bits, TQ_BITS)
     for name, t in (("mean", mean), ("inv_scale", inv_scale)):
         if t is not None:
-            _expect(name, t, (torch.float32,), (h, d), x.device)
-    _expect("signs", signs, (torch.float32,), (h, d), x.device)
-    _expect("boundaries", boundaries, (torch.float32,), (2**bits - 1,), x.device)
+            expect(name, t, (torch.float32,), (h, d), x.device)
+    expect("signs", signs, (torch.float32,), (h, d), x.device)
+    expect("boundaries", boundaries, (torch.float32,), (2**bits - 1,), x.device)
 
 
 def check_trellis_encode(y, codebook, bits) -> None:
     if not isinstance(y, torch.Tensor) or y.dim() < 1 or y.shape[-1] < 2:
         raise ValueError(f"y must be a float tensor (..., n) with n >= 2, got {getattr(y, 'shape', type(y).__name__)}")
-    _expect("y", y, _FLOATS, (None,) * y.dim(), y.device)
+    expect("y", y, _FLOATS, (None,) * y.dim(), y.device)
     if bits not in TQ_BITS:
         raise ValueError(f"bits must be one of {TQ_BITS}, got {bits!r}")
     check_table("codebook", codebook, bits, y.device)
@@ -256,7 +256,7 @@ def check_trellis_encode(y, codebook, bits) -> None:
 def check_kivi_encode(x, bits, group, axis) -> None:
     if not isinstance(x, torch.Tensor) or x.dim() != 4:
         raise ValueError(f"x must be a 4-D tensor (batch, kv_heads, tokens, head_dim), got {getattr(x, 'shape', type(x).__name__)}")
-    _expect("x", x, _FLOATS, (None,) * 4, x.device)
+    expect("x", x, _FLOATS, (None,) * 4, x.device)
     _check_bits("bits", bits, KIVI_BITS)
     if axis not in KIVI_AXES:
         raise ValueError(f"axis must be one of {KIVI_AXES}, got {axis!r}")
@@ -274,7 +274,27 @@ def _bias_rows(bias: torch.Tensor, rows: int, t0: int, t1: int) -> torch.Tensor:
     return chunk if chunk.shape[2] == rows else chunk.repeat(1, 1, rows // chunk.shape[2], 1)
 
 
-def _online_softmax(
+def skip_bias(bias: torch.Tensor | None, skip: torch.Tensor | None, tokens: int, device: torch.device) -> torch.Tensor | None:
+    """`bias` with the `skip (S,)` int64 token offsets masked (-inf) for every row: how the reference and the Triton
+    kernels leave a segment's anchors out (the C++ kernels skip them in place). `(1, 1, 1, tokens)` float32 without a
+    bias; None when neither is given."""
+    if skip is None:
+        return bias
+    expect("skip", skip, (torch.int64,), (None,), device)
+    out = torch.zeros(1, 1, 1, tokens, device=device) if bias is None else bias.clone()
+    return out.index_fill_(-1, skip, float("-inf"))
+
+
+def partial_from_scores(s: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(m, l, o) of scaled scores `s (B, H, R, T)` over float `values (B, H, T, dv)` in one step (no chunks); a row
+    whose every score is -inf gives m = 0, l = o = 0."""
+    m = s.amax(-1, keepdim=True)
+    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    p = torch.exp(s - m)
+    return m, p.sum(-1, keepdim=True), p @ values
+
+
+def online_softmax(
     shape: tuple[int, int, int],
     dv: int,
     tokens: int,
@@ -311,6 +331,36 @@ def _online_softmax(
     return m.float(), denom.float(), o.float()
 
 
+def exact_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    bias: torch.Tensor | None = None,
+    softcap: float = 0.0,
+    skip: torch.Tensor | None = None,
+    *,
+    compute_dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Partial attention over uncompressed rows (sinks, window, anchors): q (B, H, R, d) float; k (B, H, T, d) and
+    v (B, H, T, dv) float (any float dtype, one for both)."""
+    b, h, r, d = check_query("q", q)
+    expect("k", k, _FLOATS, (b, h, None, d), q.device)
+    t = k.shape[2]
+    expect("v", v, (k.dtype,), (b, h, t, None), q.device)
+    check_mask(q, t, None, bias, softcap)
+    bias = skip_bias(bias, skip, t, q.device)
+    qc = q.to(compute_dtype)
+
+    def scores(t0: int, t1: int) -> torch.Tensor:
+        return qc @ k[:, :, t0:t1].to(compute_dtype).mT
+
+    def values(t0: int, t1: int) -> torch.Tensor:
+        return v[:, :, t0:t1].to(compute_dtype)
+
+    return online_softmax((b, h, r), v.shape[-1], t, TOKEN_CHUNK, scores, values, scale, bias, softcap, compute_dtype, q.device)
+
+
 def tq_attention(
     q_rot: torch.Tensor,
     k_codes: torch.Tensor,
@@ -331,6 +381,7 @@ def tq_attention(
     turn_mu: torch.Tensor | None = None,
     turn_freq: torch.Tensor | None = None,
     turn_pos0: torch.Tensor | None = None,
+    skip: torch.Tensor | None = None,
     *,
     compute_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -345,9 +396,11 @@ def tq_attention(
     turn_q (B, H, R, dk) float32 the query as the model formed it (unrotated), turn_pair (H, M) int64 each head's
     turning RoPE pairs (a head with fewer repeats a pair whose mean is 0), turn_mu (H, M, 2) float32 their un-RoPEd
     means times RoPE's scaling, turn_freq (dk/2,) float64 RoPE's inv_freq, turn_pos0 (B,) int64 the RoPE position
-    of token 0. Returns (m, denom, o) as in the module docstring; o stays in the rotated space.
+    of token 0. `skip (S,)` int64: token offsets left out (`skip_bias`), or None.
+    Returns (m, denom, o) as in the module docstring; o stays in the rotated space.
     """
     check_tq_attention(q_rot, k_codes, k_norm, k_centroids, k_bits, v_codes, v_norm, v_centroids, v_bits, d, row_offset, bias, softcap)
+    bias = skip_bias(bias, skip, k_codes.shape[2], q_rot.device)
     turning = (turn_q, turn_pair, turn_mu, turn_freq, turn_pos0)
     check_turning(q_rot, *turning)
     b, h, r, dk = q_rot.shape
@@ -364,7 +417,7 @@ def tq_attention(
     def values(t0: int, t1: int) -> torch.Tensor:
         return code_values(v_codes[:, :, t0:t1], v_table, v_bits, d) * v_norm[:, :, t0:t1].to(compute_dtype)
 
-    return _online_softmax((b, h, r), d, k_codes.shape[2], TOKEN_CHUNK, scores, values, scale, bias, softcap, compute_dtype, q.device)
+    return online_softmax((b, h, r), d, k_codes.shape[2], TOKEN_CHUNK, scores, values, scale, bias, softcap, compute_dtype, q.device)
 
 
 def int8_attention(
@@ -376,12 +429,14 @@ def int8_attention(
     scale: float,
     bias: torch.Tensor | None = None,
     softcap: float = 0.0,
+    skip: torch.Tensor | None = None,
     *,
     compute_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Partial attention over per-token int8: q (B, H, R, d) float; k_codes (B, H, T, d) int8 with
     k_scale (B, H, T, 1) float16 (k = scale · code); v_codes (B, H, T, dv) int8, v_scale likewise."""
     check_int8_attention(q, k_codes, k_scale, v_codes, v_scale, bias, softcap)
+    bias = skip_bias(bias, skip, k_codes.shape[2], q.device)
     b, h, r, _ = q.shape
     qc = q.to(compute_dtype)
 
@@ -392,7 +447,7 @@ def int8_attention(
         return v_codes[:, :, t0:t1].to(compute_dtype) * v_scale[:, :, t0:t1].to(compute_dtype)
 
     dv = v_codes.shape[-1]
-    return _online_softmax((b, h, r), dv, k_codes.shape[2], TOKEN_CHUNK, scores, values, scale, bias, softcap, compute_dtype, q.device)
+    return online_softmax((b, h, r), dv, k_codes.shape[2], TOKEN_CHUNK, scores, values, scale, bias, softcap, compute_dtype, q.device)
 
 
 def kivi_attention(
@@ -410,6 +465,7 @@ def kivi_attention(
     scale: float,
     bias: torch.Tensor | None = None,
     softcap: float = 0.0,
+    skip: torch.Tensor | None = None,
     *,
     compute_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -423,6 +479,7 @@ def kivi_attention(
     (B, H, T, dv / v_group) float16 per token and channel group: v[j] = code[j] · scale[j // v_group] + zero[...].
     """
     check_kivi_attention(q, k_codes, k_scale, k_zero, k_bits, k_group, v_codes, v_scale, v_zero, v_bits, v_group, bias, softcap)
+    bias = skip_bias(bias, skip, k_codes.shape[2], q.device)
     b, h, r, d = q.shape
     dv = v_scale.shape[-1] * v_group
     qc = q.to(compute_dtype)
@@ -445,7 +502,7 @@ def kivi_attention(
         return codes * s + z
 
     chunk = max(k_group, TOKEN_CHUNK // k_group * k_group)  # whole key groups per step
-    return _online_softmax((b, h, r), dv, k_codes.shape[2], chunk, scores, values, scale, bias, softcap, compute_dtype, q.device)
+    return online_softmax((b, h, r), dv, k_codes.shape[2], chunk, scores, values, scale, bias, softcap, compute_dtype, q.device)
 
 
 def _pca_levels(codes: torch.Tensor, bitpos: torch.Tensor, bits: torch.Tensor, qmax: torch.Tensor) -> torch.Tensor:
@@ -456,6 +513,16 @@ def _pca_levels(codes: torch.Tensor, bitpos: torch.Tensor, bits: torch.Tensor, q
     row = torch.nn.functional.pad(codes.long(), (0, 1))  # a code that ends in the last byte reads a zero byte past it
     word = row[..., pos // 8] | (row[..., pos // 8 + 1] << 8)
     return ((word >> (pos % 8)) & ((1 << bits.long()) - 1)).float() - qmax
+
+
+def pca_basis_t(basis_t: torch.Tensor, w8: torch.Tensor | None, col_scale: torch.Tensor | None, rank: int) -> torch.Tensor:
+    """`basis_t (groups, rank, gdim)` float32, rebuilt from its integer form `w8 (groups, ceil(rank/4), gdim, 4)` int8 times
+    `col_scale (groups, gdim)` when the C++ kernel dropped it (an empty tensor); else `basis_t` itself."""
+    if basis_t.numel() or w8 is None:
+        return basis_t
+    groups, rank4, gdim, _ = w8.shape
+    w = w8.permute(0, 1, 3, 2).reshape(groups, 4 * rank4, gdim)[:, :rank]
+    return (w.float() * col_scale[:, None]).contiguous()
 
 
 def pca_vq_attention(
@@ -476,6 +543,10 @@ def pca_vq_attention(
     scale: float,
     bias: torch.Tensor | None = None,
     softcap: float = 0.0,
+    w8: torch.Tensor | None = None,
+    col_scale: torch.Tensor | None = None,
+    mean8: torch.Tensor | None = None,
+    skip: torch.Tensor | None = None,
     *,
     compute_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -493,11 +564,15 @@ def pca_vq_attention(
     k(t) = RoPE(k0(t)). Values, as `VQValueCodec.kernel_state()`: books (1 or kv, entries, gsize)
     float32; v_idx (B, kv, T, ceil(d/gsize · v_bits / 8)) uint8, the packed codeword index of each
     group of gsize channels; v_norm (B, kv, T, 1) float16 or None: v(t) = v_norm[t] · codewords.
+    w8, col_scale, mean8: the basis' integer form (`cpu_lut.int8_basis`) for the C++ kernel's VNNI rebuild, or None;
+    with them basis_t may be empty (the C++ kernel dropped it), and is then rebuilt from them exactly.
     Returns (m, denom, o) as in the module docstring; o stays in VQ's rotated, channel-normalized
     space (`VQValueCodec.kernel_output` maps it back).
     """
+    basis_t = pca_basis_t(basis_t, w8, col_scale, qmax.numel())
     check_pca_vq_attention(q, pos0, bitpos, bits, qmax, basis_t, mean, inv_freq, rope_scale, k_codes, books, v_bits, v_idx, v_norm,
                            bias, softcap)
+    bias = skip_bias(bias, skip, k_codes.shape[2], q.device)
     b, kv, r, d = q.shape
     groups, _, gdim = basis_t.shape
     qc, basis, mu = q.to(compute_dtype), basis_t.to(compute_dtype), mean.to(compute_dtype)[None, :, None]
@@ -515,7 +590,7 @@ def pca_vq_attention(
         v = book[heads[None, :, None, None], idx].flatten(-2)  # (B, kv, C, d)
         return v if v_norm is None else v * v_norm[:, :, t0:t1].to(compute_dtype)
 
-    return _online_softmax((b, kv, r), d, k_codes.shape[2], TOKEN_CHUNK, scores, values, scale, bias, softcap, compute_dtype, q.device)
+    return online_softmax((b, kv, r), d, k_codes.shape[2], TOKEN_CHUNK, scores, values, scale, bias, softcap, compute_dtype, q.device)
 
 
 # -- encode ----------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from .reference import check_int8_attention, check_kivi_attention, check_tq_attention, check_turning
+from .reference import check_int8_attention, check_kivi_attention, check_tq_attention, check_turning, skip_bias
 
 
 # -- shared device helpers -------------------------------------------------------------------------
@@ -600,11 +600,13 @@ def tq_attention(
     turn_mu: torch.Tensor | None = None,
     turn_freq: torch.Tensor | None = None,
     turn_pos0: torch.Tensor | None = None,
+    skip: torch.Tensor | None = None,
     *,
     num_splits: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Triton `reference.tq_attention`; `num_splits` overrides the sequence split count (tests)."""
     check_tq_attention(q_rot, k_codes, k_norm, k_centroids, k_bits, v_codes, v_norm, v_centroids, v_bits, d, row_offset, bias, softcap)
+    bias = skip_bias(bias, skip, k_codes.shape[2], q_rot.device)
     check_turning(q_rot, turn_q, turn_pair, turn_mu, turn_freq, turn_pos0)
     _check_device(q_rot)
     t = k_codes.shape[2]
@@ -645,11 +647,13 @@ def int8_attention(
     scale: float,
     bias: torch.Tensor | None = None,
     softcap: float = 0.0,
+    skip: torch.Tensor | None = None,
     *,
     num_splits: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Triton `reference.int8_attention`."""
     check_int8_attention(q, k_codes, k_scale, v_codes, v_scale, bias, softcap)
+    bias = skip_bias(bias, skip, k_codes.shape[2], q.device)
     _check_device(q)
     t, dv = k_codes.shape[2], v_codes.shape[-1]
     if t == 0 or q.numel() == 0:
@@ -684,11 +688,13 @@ def kivi_attention(
     scale: float,
     bias: torch.Tensor | None = None,
     softcap: float = 0.0,
+    skip: torch.Tensor | None = None,
     *,
     num_splits: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Triton `reference.kivi_attention`."""
     check_kivi_attention(q, k_codes, k_scale, k_zero, k_bits, k_group, v_codes, v_scale, v_zero, v_bits, v_group, bias, softcap)
+    bias = skip_bias(bias, skip, k_codes.shape[2], q.device)
     _check_device(q)
     t, dv = k_codes.shape[2], v_scale.shape[-1] * v_group
     if t == 0 or q.numel() == 0:

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .reference import check_pca_vq_attention
+from .reference import check_pca_vq_attention, pca_basis_t, skip_bias
 from .triton_attention import (
     INTERPRETED,
     _bias_args,
@@ -153,13 +153,19 @@ def pca_vq_attention(
     scale: float,
     bias: torch.Tensor | None = None,
     softcap: float = 0.0,
+    w8: torch.Tensor | None = None,
+    col_scale: torch.Tensor | None = None,
+    mean8: torch.Tensor | None = None,
+    skip: torch.Tensor | None = None,
     *,
     num_splits: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Triton `reference.pca_vq_attention`; `num_splits` overrides the sequence split count (tests)."""
+    basis_t, books = pca_basis_t(basis_t, w8, col_scale, qmax.numel()), books.float()
     check_pca_vq_attention(q, pos0, bitpos, bits, qmax, basis_t, mean, inv_freq, rope_scale, k_codes, books, v_bits, v_idx, v_norm,
                            bias, softcap)
     _check_device(q)
+    bias = skip_bias(bias, skip, k_codes.shape[2], q.device)
     b, kv, _, d = q.shape
     t = k_codes.shape[2]
     if t == 0 or q.numel() == 0:

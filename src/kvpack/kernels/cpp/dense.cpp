@@ -1,0 +1,118 @@
+// Dense rows: int8 codes with a per-token fp16 scale, or fp16 / fp32 rows (sinks, window), widened one token row at a
+// time in L1.
+#include "softmax.h"
+
+namespace kvpack {
+namespace {
+
+void int8_scores_impl(const float* q, const int8_t* codes, const at::Half* scale, int64_t BH, int R, int64_t T, int d, float* out) {
+  const int64_t nblocks = (T + kBlock - 1) / kBlock;
+  at::parallel_for(0, BH * nblocks, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> rows(4 * d);
+    const float* k[4] = {rows.data(), rows.data() + d, rows.data() + 2 * d, rows.data() + 3 * d};
+    for (int64_t i = lo; i < hi; ++i) {
+      const int64_t bh = i / nblocks, t0 = (i % nblocks) * kBlock, t1 = std::min(T, t0 + kBlock);
+      for (int64_t t = t0; t < t1; t += 4) {
+        const int n = static_cast<int>(std::min<int64_t>(4, t1 - t));
+        for (int j = 0; j < n; ++j) widen(codes + (bh * T + t + j) * d, rows.data() + j * d, d);
+        for (int r = 0; r < R; ++r) {
+          float s[4];
+          dot4(q + (bh * R + r) * d, k, d, s);
+          for (int j = 0; j < n; ++j) out[(bh * R + r) * T + t + j] = s[j] * static_cast<float>(scale[bh * T + t + j]);
+        }
+      }
+    }
+  });
+}
+
+void int8_weighted_sum_impl(const float* p, const int8_t* codes, const at::Half* scale, int64_t BH, int R, int64_t T, int d, float* out) {
+  sliced_weighted_sum(BH, R, T, d, d, out, [&](int64_t bh, int64_t t0, int64_t t1, float* rows, float* __restrict acc) {
+    const float* pb = p + bh * R * T;
+    const at::Half* sb = scale + bh * T;
+    for (int64_t t = t0; t < t1; t += 4) {
+      const int n = static_cast<int>(std::min<int64_t>(4, t1 - t));
+      for (int i = 0; i < n; ++i) widen(codes + (bh * T + t + i) * d, rows + i * d, d);
+      for (int r = 0; r < R; ++r) {
+        float w[4] = {};
+        for (int i = 0; i < n; ++i) w[i] = pb[r * T + t + i] * static_cast<float>(sb[t + i]);
+        float* __restrict a = acc + r * d;
+        const float *r0 = rows, *r1 = rows + d, *r2 = rows + 2 * d, *r3 = rows + 3 * d;
+        for (int j = 0; j < d; ++j) a[j] += w[0] * r0[j] + w[1] * r1[j] + w[2] * r2[j] + w[3] * r3[j];
+      }
+    }
+  });
+}
+
+
+template <typename KT, typename VT>
+void dense_attention_impl(const float* q, const KT* k, int64_t k_bh, const at::Half* ks, int64_t ks_bh, const VT* v, int64_t v_bh,
+                          const at::Half* vs, int64_t vs_bh, int64_t BH, int R, int64_t T, int d, int dv, float scale, const Skip& skip,
+                          Partials& P) {
+  auto kdec = [&](int64_t bh, int64_t t, float* dst) {
+    widen_row(k + bh * k_bh + t * d, dst, d);
+    return ks ? static_cast<float>(ks[bh * ks_bh + t]) : 1.f;
+  };
+  auto vdec = [&](int64_t bh, int64_t t, float* dst) {
+    widen_row(v + bh * v_bh + t * dv, dst, dv);
+    return vs ? static_cast<float>(vs[bh * vs_bh + t]) : 1.f;
+  };
+  rows_attention_impl(q, BH, R, T, d, dv, scale, skip, P, kdec, vdec, [](int64_t, int, int64_t, int64_t, float*) {});
+}
+
+torch::Tensor int8_scores(torch::Tensor q, torch::Tensor codes, torch::Tensor scale) {
+  const int64_t B = q.size(0), H = q.size(1), R = q.size(2), d = q.size(3), T = codes.size(2);
+  auto out = torch::empty({B, H, R, T}, q.options());
+  if (out.numel() == 0) return out;
+  int8_scores_impl(q.data_ptr<float>(), codes.data_ptr<int8_t>(), scale.data_ptr<at::Half>(), B * H, static_cast<int>(R), T,
+                   static_cast<int>(d), out.data_ptr<float>());
+  return out;
+}
+
+torch::Tensor int8_weighted_sum(torch::Tensor p, torch::Tensor codes, torch::Tensor scale) {
+  const int64_t B = p.size(0), H = p.size(1), R = p.size(2), T = p.size(3), d = codes.size(3);
+  auto out = torch::zeros({B, H, R, d}, p.options());
+  if (out.numel() == 0 || T == 0) return out;
+  int8_weighted_sum_impl(p.data_ptr<float>(), codes.data_ptr<int8_t>(), scale.data_ptr<at::Half>(), B * H, static_cast<int>(R), T,
+                         static_cast<int>(d), out.data_ptr<float>());
+  return out;
+}
+
+template <typename KT, typename VT>
+void dense_dispatch(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& ks, const torch::Tensor& v, const torch::Tensor& vs,
+                    double scale, const Skip& skip, Partials& P) {
+  const int64_t B = q.size(0), H = q.size(1), R = q.size(2), d = q.size(3), T = k.size(2), dv = v.size(3);
+  dense_attention_impl<KT, VT>(q.data_ptr<float>(), k.data_ptr<KT>(), head_stride(k, "k"), ks.numel() ? ks.data_ptr<at::Half>() : nullptr,
+                               ks.numel() ? head_stride(ks, "k_scale") : 0, v.data_ptr<VT>(), head_stride(v, "v"),
+                               vs.numel() ? vs.data_ptr<at::Half>() : nullptr, vs.numel() ? head_stride(vs, "v_scale") : 0, B * H,
+                               static_cast<int>(R), T, static_cast<int>(d), static_cast<int>(dv), static_cast<float>(scale), skip, P);
+}
+
+std::vector<torch::Tensor> dense_attention(torch::Tensor q, torch::Tensor k, torch::Tensor k_scale, torch::Tensor v, torch::Tensor v_scale,
+                                           double scale, torch::Tensor skip) {
+  q = q.contiguous();
+  const int64_t B = q.size(0), H = q.size(1), R = q.size(2), T = k.size(2), dv = v.size(3);
+  const Skip sk = make_skip(skip);
+  TORCH_CHECK(k.scalar_type() == v.scalar_type(), "k and v must share a dtype");
+  auto out = partial_outputs(q, dv);
+  Partials P(B * H, R, dv, split_count(T));
+  if (T > 0) {
+    switch (k.scalar_type()) {
+      case at::kChar: dense_dispatch<int8_t, int8_t>(q, k, k_scale, v, v_scale, scale, sk, P); break;
+      case at::kHalf: dense_dispatch<at::Half, at::Half>(q, k, k_scale, v, v_scale, scale, sk, P); break;
+      case at::kFloat: dense_dispatch<float, float>(q, k, k_scale, v, v_scale, scale, sk, P); break;
+      default: TORCH_CHECK(false, "dense_attention takes int8, float16 or float32 K/V, got ", k.scalar_type());
+    }
+  }
+  P.merge(out[0].data_ptr<float>(), out[1].data_ptr<float>(), out[2].data_ptr<float>());
+  return out;
+}
+
+}  // namespace
+}  // namespace kvpack
+
+KVPACK_BIND(m) {
+  using namespace kvpack;
+  m.def("int8_scores", &int8_scores, "q . int8 codes, per-token scale factored out");
+  m.def("int8_weighted_sum", &int8_weighted_sum, "sum_t p * scale * int8 codes");
+  m.def("dense_attention", &dense_attention, "online-softmax partial (m, l, o) over int8 (scaled), fp16 or fp32 K/V");
+}
