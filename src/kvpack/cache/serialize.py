@@ -64,11 +64,12 @@ _PACKED_CLASS = re.compile(r"(kvpack(?:\.\w+)+):(\w+(?:\.\w+)*)")
 # A memory `budget` is not saved (pass one to the loaded cache); a cache with `evicted` tokens is refused.
 # `prompt_target` (the method's prompt byte target, shared by the layers) is rebuilt by KVCache from the method.
 # `_first_position` (a segment's first RoPE position, cached for the decode kernels) is rebuilt on first use.
+# `_max_entry` (the largest entry the method's codecs store, `Codec.max_entry`) is rebuilt on the first update.
 LAYER_ATTRIBUTES = frozenset({
     "method", "layer_idx", "model_config", "rope", "length", "updates", "sink_k", "sink_v", "win_k", "win_v", "segments",
     "pos_offset", "pad", "pad_max", "_codecs", "pending_attention", "is_initialized", "dtype", "device", "batch", "kv_heads",
     "head_dim", "v_head_dim", "exact_dtype", "keys", "values", "fit_queries", "evicted", "budget", "_first_position",
-    "fit_scaling", "anchors", "anchor_credit", "prompt_target",
+    "fit_scaling", "anchors", "anchor_credit", "prompt_target", "_max_entry",
 })
 
 

@@ -40,6 +40,8 @@ def segment_partial(q: torch.Tensor, seg, scale: float, first_position=None, ski
     kind = (kc.kernel_kind, vc.kernel_kind)
     if kind == ("heads", "heads"):
         return head_groups_partial(q, seg, lambda qg, group: segment_partial(qg, group, scale, first_position, skip))
+    if not _fp16_meta(seg):
+        return None
     if kind == ("tq", "tq"):
         keys, values = seg.keys, seg.values
         turning = None
@@ -63,6 +65,13 @@ def segment_partial(q: torch.Tensor, seg, scale: float, first_position=None, ski
         keys, values = seg.keys, seg.values
         return cpu_lut.dense_attention(q, keys.codes, keys.scale, values.codes, values.scale, scale, validate=VALIDATE, skip=skip)
     return None
+
+
+def _fp16_meta(seg) -> bool:
+    """Whether a segment's per-token norms and scales are float16, the form the kernels read. A block whose norms passed
+    fp16's range keeps float32 ones (`codecs.base.storable`); its segment then runs its codecs' torch paths."""
+    return all(getattr(p, name, None) is None or getattr(p, name).dtype == torch.float16
+               for p in (seg.keys, seg.values) for name in ("norm", "scale"))
 
 
 class _GroupSegment(NamedTuple):
@@ -115,6 +124,8 @@ def ops_segment_partial(q: torch.Tensor, seg, scale: float, first_position=None)
     kind = (kc.kernel_kind, vc.kernel_kind)
     if kind == ("heads", "heads"):
         return head_groups_partial(q, seg, lambda qg, group: ops_segment_partial(qg, group, scale, first_position))
+    if not _fp16_meta(seg):
+        return None
     keys, values = seg.keys, seg.values
     if kind == ("tq", "tq"):
         turning = ()
