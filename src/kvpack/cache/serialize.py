@@ -219,14 +219,25 @@ def load_cache(path: str | os.PathLike, model) -> KVCache:
     data = _read(path)
     tensors, meta = _parse(data, path)
     _check_digests(meta, tensors, path)
-    if "compression" in meta:
-        tensors = _decompress(tensors, _json(meta, "compression", path), path)
-    _check_model(meta, model, path)
+    try:
+        if "compression" in meta:
+            tensors = _decompress(tensors, _json(meta, "compression", path), path)
+        _check_model(meta, model, path)
+        return _rebuild(meta, tensors, model, path)
+    except CacheFileError:
+        raise
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError, RuntimeError, OverflowError) as err:
+        # The checksums held, so the header was written (or re-signed) with contents no save produces: a clear refusal
+        # rather than whichever check of the rebuild tripped first.
+        raise CacheFileError(_corrupted_message(path, f"its header describes no cache kvpack can rebuild: {type(err).__name__}: {err}")) from err
+
+
+def _rebuild(meta: dict[str, str], tensors: dict[str, torch.Tensor], model, path: Path) -> KVCache:
     method = method_from_json(_json(meta, "method", path))
     cache = KVCache(model, method, allow_untested=True)  # the file's model type was accepted when it was saved
     layout = _json(meta, "layout", path)
-    if len(layout) != len(cache.layers):
-        raise CacheFileError(f"{path} holds {len(layout)} layers but the model has {len(cache.layers)}")
+    if not isinstance(layout, list) or len(layout) != len(cache.layers):
+        raise CacheFileError(f"{path} holds {len(layout) if isinstance(layout, list) else 'no'} layers but the model has {len(cache.layers)}")
     device = getattr(model, "device", torch.device("cpu"))
     for i, (layer, entry) in enumerate(zip(cache.layers, layout, strict=True)):
         _restore_layer(layer, entry, _Tensors(tensors, f"layers.{i}", device, path), path)
@@ -713,8 +724,16 @@ def _decompress(tensors: dict[str, torch.Tensor], streams: dict[str, dict], path
             raise CacheFileError(_corrupted_message(path, f"stream {name!r} is missing or has an unknown layout {info.get('layout')!r}"))
         dtype = _dtype(info["dtype"], path)
         nbytes = _numel(info["shape"]) * torch.empty((), dtype=dtype).element_size()
+        frame = tensors[name].numpy().tobytes()
         try:
-            raw = decompressor.decompress(tensors[name].numpy().tobytes(), max_output_size=nbytes)
+            # The frame records its size (save writes it); a header claiming more is refused before any allocation.
+            claimed = zstd.frame_content_size(frame)
+        except zstd.ZstdError as err:
+            raise CacheFileError(_corrupted_message(path, f"stream {name!r} is not a zstd frame ({err})")) from err
+        if claimed != nbytes:
+            raise CacheFileError(_corrupted_message(path, f"stream {name!r} holds {claimed} bytes but its header claims {nbytes}"))
+        try:
+            raw = decompressor.decompress(frame, max_output_size=nbytes)
         except zstd.ZstdError as err:
             raise CacheFileError(_corrupted_message(path, f"stream {name!r} does not decompress ({err})")) from err
         if len(raw) != nbytes:
