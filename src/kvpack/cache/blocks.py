@@ -65,7 +65,10 @@ class BlockRun:
         if need > self.capacity:
             self._grow(need + max(n, need // GROWTH_DIVISOR))
         for name in self._names:
-            self._bufs[name][:, :, self.length : need] = getattr(block, name)
+            part = getattr(block, name)
+            if part.dtype != self._bufs[name].dtype:
+                self._widen(name, part.dtype)
+            self._bufs[name][:, :, self.length : need] = part
         self.blocks.append(self.length)
         self.length = need
 
@@ -98,6 +101,15 @@ class BlockRun:
     def nbytes(self) -> int:
         """Bytes held, spare capacity included."""
         return sum(b.numel() * b.element_size() for b in self._bufs.values())
+
+    def _widen(self, name: str, dtype: torch.dtype) -> None:
+        """Hold field `name` in the wider of its dtype and `dtype`: a block whose norms or scales passed float16's range
+        arrives with float32 ones (`codecs.base.storable`), and writing them into a float16 buffer would store inf.
+        A new buffer, so a snapshot holding the old one stays valid."""
+        buf = self._bufs[name]
+        wide = torch.promote_types(buf.dtype, dtype)
+        if wide != buf.dtype:
+            self._bufs[name] = buf.to(wide)
 
     def _grow(self, capacity: int) -> None:
         for name, buf in self._bufs.items():

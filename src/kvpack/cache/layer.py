@@ -16,7 +16,7 @@ import warnings
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from ..codecs.base import ByteBudget, Codec, Packed, slice_packed
+from ..codecs.base import FP16_MAX, ByteBudget, Codec, Packed, slice_packed
 from ..primitives.validation import abs_max, checks_values
 from ..registry import EXACT_DTYPES, CodecSpec, MethodConfig
 from .anchors import AnchorSet
@@ -277,6 +277,7 @@ class KVPackLayer(CacheLayerMixin):
             )
         if self.exact_dtype == torch.float16 and key_states.dtype != torch.float16:
             self._check_fits_fp16(peak)
+        self._check_codecs_hold(peak)
         key_states, value_states = key_states.to(self.exact_dtype), value_states.to(self.exact_dtype)
         n_sink = min(max(self.sink_target - self.sink_k.shape[2], 0), key_states.shape[2])
         if n_sink:
@@ -606,7 +607,9 @@ class KVPackLayer(CacheLayerMixin):
         parts = [self.sink_k if k else self.sink_v]
         for seg in self.segments:
             codec, packed = (seg.key_codec, seg.keys) if k else (seg.value_codec, seg.values)
-            parts.append(codec.decode(packed, self.positions(seg.start, seg.length)))
+            decoded = codec.decode(packed, self.positions(seg.start, seg.length))
+            # Within its codec's error, a reconstruction of entries near float16's max may land just past it: saturate.
+            parts.append(decoded.clamp(-FP16_MAX, FP16_MAX) if self.dtype == torch.float16 else decoded)
         parts.append(self.win_k if k else self.win_v)
         full = torch.cat([p.to(self.dtype) for p in parts], dim=2)
         return full if self.anchors is None else self.anchors.overwrite(full, side)
@@ -654,6 +657,20 @@ class KVPackLayer(CacheLayerMixin):
                 f"layer {self.layer_idx}: key/value states exceed the float16 range (65504) of kvpack's exact sinks and window, "
                 "so nothing was stored; build the method with exact_dtype='bfloat16' or 'native', e.g. "
                 "kvpack.get_method(name).with_options(exact_dtype='bfloat16')"
+            )
+
+    def _check_codecs_hold(self, peak: float | None) -> None:
+        """Refuse entries beyond what the method's codecs store as finite numbers (`Codec.max_entry`), now, while nothing
+        is stored: the window hands them to a codec only when it flushes, when refusing would leave the cache stuck."""
+        bound = self.__dict__.get("_max_entry")
+        if bound is None:
+            dim = max(self.head_dim, self.v_head_dim)
+            bound = self._max_entry = min(s.codec_class.max_entry(s.config, dim) for s in self.method.specs())
+        if peak is not None and peak > bound:
+            raise ValueError(
+                f"layer {self.layer_idx}: key/value states reach {peak:.3g}, beyond the {bound:.3g} that method "
+                f"{self.method.name!r}'s codecs store as finite numbers, so nothing was stored (the cache is unchanged). "
+                "Activations this large mean the model overflowed (attention would square them too): check its inputs and dtype"
             )
 
     def _map_batch(self, fn) -> None:

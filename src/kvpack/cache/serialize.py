@@ -64,11 +64,12 @@ _PACKED_CLASS = re.compile(r"(kvpack(?:\.\w+)+):(\w+(?:\.\w+)*)")
 # `prompt_target` (the method's prompt byte target, shared by the layers) is rebuilt by KVCache from the method.
 # `_first_position` (a segment's first RoPE position, cached for the decode kernels) is rebuilt on first use.
 # A `placement` other than the default is not saved: pass it to the loaded cache again, as a budget.
+# `_max_entry` (the largest entry the method's codecs store, `Codec.max_entry`) is rebuilt on the first update.
 LAYER_ATTRIBUTES = frozenset({
     "method", "layer_idx", "model_config", "rope", "length", "updates", "sink_k", "sink_v", "win_k", "win_v", "segments",
     "pos_offset", "pad", "pad_max", "_codecs", "pending_attention", "is_initialized", "dtype", "device", "batch", "kv_heads",
     "head_dim", "v_head_dim", "exact_dtype", "keys", "values", "fit_queries", "evicted", "budget", "_first_position",
-    "fit_scaling", "anchors", "anchor_credit", "prompt_target", "placement",
+    "fit_scaling", "anchors", "anchor_credit", "prompt_target", "placement", "_max_entry",
 })
 
 
@@ -227,16 +228,27 @@ def load_cache(path: str | os.PathLike, model) -> KVCache:
     data = _read(path)
     tensors, meta = _parse(data, path)
     _check_digests(meta, tensors, path)
-    if "compression" in meta:
-        tensors = _decompress(tensors, _json(meta, "compression", path), path)
-    _check_model(meta, model, path)
+    try:
+        if "compression" in meta:
+            tensors = _decompress(tensors, _json(meta, "compression", path), path)
+        _check_model(meta, model, path)
+        return _rebuild(meta, tensors, model, path)
+    except CacheFileError:
+        raise
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError, RuntimeError, OverflowError) as err:
+        # The checksums held, so the header was written (or re-signed) with contents no save produces: a clear refusal
+        # rather than whichever check of the rebuild tripped first.
+        raise CacheFileError(_corrupted_message(path, f"its header describes no cache kvpack can rebuild: {type(err).__name__}: {err}")) from err
+
+
+def _rebuild(meta: dict[str, str], tensors: dict[str, torch.Tensor], model, path: Path) -> KVCache:
     method = method_from_json(_json(meta, "method", path))
     if not _CACHE_TYPES:
         raise RuntimeError("load_cache: no cache class is registered; import kvpack (kvpack.cache registers KVCache)")
     cache = _CACHE_TYPES[0](model, method, allow_untested=True)  # the file's model type was accepted when it was saved
     layout = _json(meta, "layout", path)
-    if len(layout) != len(cache.layers):
-        raise CacheFileError(f"{path} holds {len(layout)} layers but the model has {len(cache.layers)}")
+    if not isinstance(layout, list) or len(layout) != len(cache.layers):
+        raise CacheFileError(f"{path} holds {len(layout) if isinstance(layout, list) else 'no'} layers but the model has {len(cache.layers)}")
     device = getattr(model, "device", torch.device("cpu"))
     for i, (layer, entry) in enumerate(zip(cache.layers, layout, strict=True)):
         _restore_layer(layer, entry, _Tensors(tensors, f"layers.{i}", device, path), path)
@@ -654,8 +666,16 @@ def _decompress(tensors: dict[str, torch.Tensor], streams: dict[str, dict], path
             raise CacheFileError(_corrupted_message(path, f"stream {name!r} is missing or has an unknown layout {info.get('layout')!r}"))
         dtype = _dtype(info["dtype"], path)
         nbytes = _numel(info["shape"]) * torch.empty((), dtype=dtype).element_size()
+        frame = tensors[name].numpy().tobytes()
         try:
-            raw = decompressor.decompress(tensors[name].numpy().tobytes(), max_output_size=nbytes)
+            # The frame records its size (save writes it); a header claiming more is refused before any allocation.
+            claimed = zstd.frame_content_size(frame)
+        except zstd.ZstdError as err:
+            raise CacheFileError(_corrupted_message(path, f"stream {name!r} is not a zstd frame ({err})")) from err
+        if claimed != nbytes:
+            raise CacheFileError(_corrupted_message(path, f"stream {name!r} holds {claimed} bytes but its header claims {nbytes}"))
+        try:
+            raw = decompressor.decompress(frame, max_output_size=nbytes)
         except zstd.ZstdError as err:
             raise CacheFileError(_corrupted_message(path, f"stream {name!r} does not decompress ({err})")) from err
         if len(raw) != nbytes:

@@ -21,11 +21,27 @@ from typing import Any, ClassVar, NamedTuple
 
 import torch
 
-from ..primitives.validation import check_finite, check_kv, check_query
+from ..primitives.validation import check_finite, check_kv, check_query, checks_values
 
 # Entries of the largest temporary a torch `scores` / `weighted_sum` holds (16 MiB of float32): a
 # decode step over 32K tokens would otherwise rebuild K (or V) in float, 32K x heads x head_dim.
 CHUNK_ELEMENTS = 1 << 22
+
+FP16_MAX = torch.finfo(torch.float16).max
+# The largest |entry| of keys/values any codec compresses. Codecs square and sum in float32 (norms, variances,
+# k-means distances, over up to 1024 channels); below 1e16 per entry those sums stay finite (1e32 x 1024 < 3.4e38).
+# A model's activations never come near it; beyond it a cache refuses the update before storing anything.
+MAX_ENTRY = 1e16
+
+
+def storable(x: torch.Tensor) -> torch.Tensor:
+    """`x` (per-token norms or scales) in float16 when every entry fits, the layout the codecs' byte counts and
+    fused kernels assume; else in float32 (2 more bytes each, for that block only). A key of 1e4 per entry at
+    d = 64 has norm 8e4, which float16 would store as inf and decode to NaN. Checked where values are read
+    (`checks_values`: CPU, or any device with KVPACK_DEBUG=1), since the check reads a maximum back to the host."""
+    if not x.numel() or not checks_values(x) or float(x.abs().amax()) <= FP16_MAX:
+        return x.half()
+    return x.float()
 
 
 @dataclasses.dataclass
@@ -198,6 +214,14 @@ class Codec(ABC):
         """Whether a codec built from `config` reads token positions and the model's rotary embedding (`uses_positions`,
         known before building: a cache refuses a model whose rotary table it cannot read up front)."""
         return cls.uses_positions
+
+    @classmethod
+    def max_entry(cls, config: Any, head_dim: int) -> float:
+        """The largest |entry| of keys/values a codec built from `config` stores as finite numbers: MAX_ENTRY where
+        per-token norms and scales widen past float16 (`storable`); lower where float16 fields or fitted state hold
+        the entries' own scale. A cache refuses new tokens beyond its codecs' bound before storing them: decode tokens
+        reach a codec only when the window flushes them, dozens of steps later, when nothing can be refused."""
+        return MAX_ENTRY
 
     @property
     def token_multiple(self) -> int:

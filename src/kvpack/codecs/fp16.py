@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Codec, Packed, chunked_scores, chunked_sum, group_query, ungroup
+from .base import Codec, Packed, chunked_scores, chunked_sum, group_query, storable, ungroup
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "native": None}
 
@@ -24,7 +24,7 @@ class Fp16Config:
 
 @dataclass
 class Fp16Packed(Packed):
-    data: torch.Tensor  # (batch, kv_heads, tokens, head_dim)
+    data: torch.Tensor  # (batch, kv_heads, tokens, head_dim) in the configured dtype (float16: float32 past its range)
 
 
 class Fp16Codec(Codec):
@@ -34,7 +34,9 @@ class Fp16Codec(Codec):
     def encode(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> Fp16Packed:
         self._check(x)
         dtype = DTYPES[self.config.dtype] or x.dtype
-        return Fp16Packed(x.shape[2], x.to(dtype).contiguous())
+        # float16 storage of entries past its range keeps that block in float32 (`storable`) rather than inf.
+        data = storable(x) if dtype == torch.float16 and x.dtype != torch.float16 else x.to(dtype)
+        return Fp16Packed(x.shape[2], data.contiguous())
 
     def decode(self, packed: Fp16Packed, positions: torch.Tensor | None = None) -> torch.Tensor:
         return packed.data.float()

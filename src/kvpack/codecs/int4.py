@@ -16,7 +16,7 @@ import torch
 from ..kernels import int4 as _kernel  # noqa: F401  (registers the ("int4", "int4") entry `kernel_kind` names)
 from ..primitives.affine import quantize_affine
 from ..primitives.packing import pack_bits, unpack_bits
-from .base import Codec, Packed
+from .base import FP16_MAX, Codec, Packed
 
 BITS = 4
 
@@ -38,6 +38,11 @@ class Int4Codec(Codec):
     name = "int4"
 
     kernel_kind = "int4"  # the kernel table's ("int4", "int4") entry reads codes, scales and zeros as stored
+
+    @classmethod
+    def max_entry(cls, config: Int4Config, head_dim: int) -> float:
+        # Scale (max - min) / 15 and zero (min) are float16: entries within float16's range keep both finite.
+        return FP16_MAX
 
     def __init__(self, config: Int4Config, head_dim: int, kv_heads: int, layer_idx: int = 0):
         if head_dim % 2:

@@ -13,7 +13,7 @@ import torch
 
 from .. import kernels
 from ..kernels import int8 as _kernel  # noqa: F401  (registers the ("int8", "int8") entry `kernel_kind` names)
-from .base import Codec, Packed, chunked_scores, chunked_sum, group_query, ungroup
+from .base import Codec, Packed, chunked_scores, chunked_sum, group_query, storable, ungroup
 
 
 @dataclass(frozen=True)
@@ -24,7 +24,7 @@ class Int8Config:
 @dataclass
 class Int8Packed(Packed):
     codes: torch.Tensor  # (batch, kv_heads, tokens, head_dim) int8
-    scale: torch.Tensor  # (batch, kv_heads, tokens, 1) float16
+    scale: torch.Tensor  # (batch, kv_heads, tokens, 1) float16 (float32 past its range: entries beyond 8.3e6)
 
 
 class Int8Codec(Codec):
@@ -35,16 +35,20 @@ class Int8Codec(Codec):
 
     def encode(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> Int8Packed:
         self._check(x)
-        scale = (x.float().abs().amax(-1, keepdim=True) / 127).clamp_min(1e-8).half()
+        scale = storable((x.float().abs().amax(-1, keepdim=True) / 127).clamp_min(1e-8))
         codes = (x.float() / scale.float()).round_().clamp_(-127, 127).to(torch.int8)
         return Int8Packed(x.shape[2], codes, scale)
 
     def decode(self, packed: Int8Packed, positions: torch.Tensor | None = None) -> torch.Tensor:
         return packed.codes.float() * packed.scale.float()
 
+    def _use_kernels(self, packed: Int8Packed, rows: int) -> bool:
+        """The CPU kernels for decode-sized row counts over float16 scales (a block past fp16's range keeps float32 ones)."""
+        return rows <= kernels.MAX_KERNEL_ROWS and packed.codes.device.type == "cpu" and packed.scale.dtype == torch.float16 and kernels.available()
+
     def scores(self, query: torch.Tensor, packed: Int8Packed, query_positions=None, key_positions=None) -> torch.Tensor:
         q = group_query(query.float(), self.kv_heads)  # (b, kv, rows, d)
-        if q.shape[2] <= kernels.MAX_KERNEL_ROWS and packed.codes.device.type == "cpu" and kernels.available():
+        if self._use_kernels(packed, q.shape[2]):
             return ungroup(kernels.int8_scores(q, packed.codes, packed.scale), query.shape[1])
 
         def part(block: Int8Packed, start: int, stop: int) -> torch.Tensor:
@@ -54,7 +58,7 @@ class Int8Codec(Codec):
 
     def weighted_sum(self, probs: torch.Tensor, packed: Int8Packed) -> torch.Tensor:
         p = group_query(probs.float(), self.kv_heads)  # (b, kv, rows, t)
-        if p.shape[2] <= kernels.MAX_KERNEL_ROWS and packed.codes.device.type == "cpu" and kernels.available():
+        if self._use_kernels(packed, p.shape[2]):
             return ungroup(kernels.int8_weighted_sum(p, packed.codes, packed.scale), probs.shape[1])
 
         def part(pc: torch.Tensor, block: Int8Packed) -> torch.Tensor:

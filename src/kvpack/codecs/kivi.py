@@ -37,7 +37,7 @@ from ..kernels import kivi as _kernel  # noqa: F401  (registers the ("kivi", "ki
 from ..primitives.affine import quantize_affine
 from ..primitives.packing import pack_bits, unpack_bits
 from ..primitives.validation import check_query
-from .base import Codec, Packed, chunked_scores, chunked_sum, group_query, ungroup
+from .base import FP16_MAX, Codec, Packed, chunked_scores, chunked_sum, group_query, ungroup
 
 AXES = ("channel", "token")
 
@@ -84,6 +84,10 @@ def _collect(spread: torch.Tensor, group: int, dim: int) -> torch.Tensor:
 class KiviCodec(Codec):
     config_class = KiviConfig
     name = "kivi"
+
+    @classmethod
+    def max_entry(cls, config: KiviConfig, head_dim: int) -> float:
+        return FP16_MAX  # each group's minimum and step are float16 (the layout its kernel reads)
 
     def __init__(self, config: KiviConfig, head_dim: int, kv_heads: int, layer_idx: int = 0):
         super().__init__(config, head_dim, kv_heads, layer_idx)

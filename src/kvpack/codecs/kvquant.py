@@ -42,7 +42,7 @@ from ..primitives.packing import pack_bits, unpack_bits
 from ..primitives.rope import apply_rope, undo_rope
 from ..primitives.scalar_codebook import lloyd_1d, nearest_level, sorted_quantiles
 from ..primitives.validation import check_query
-from .base import CHUNK_ELEMENTS, Codec, Packed, check_state, chunked_scores, chunked_sum, group_query, ungroup
+from .base import CHUNK_ELEMENTS, FP16_MAX, Codec, Packed, check_state, chunked_scores, chunked_sum, group_query, ungroup
 from .rope_keys import UnRopedKeys
 
 BITS = (2, 3, 4)
@@ -84,6 +84,12 @@ class _KVQuantBase(Codec):
     """What keys and values share: outlier bookkeeping, codebook lookup, chunked reading."""
 
     config_class = KVQuantConfig
+
+    @classmethod
+    def max_entry(cls, config: KVQuantConfig, head_dim: int) -> float:
+        # Outlier values, codebooks and thresholds are float16 in the entries' own scale, and un-RoPEd keys mix RoPE pairs
+        # (a pair's entries of m turn into up to sqrt(2)·m): half of float16's range keeps them finite.
+        return FP16_MAX / 2
 
     def __init__(self, config: KVQuantConfig, head_dim: int, kv_heads: int, layer_idx: int = 0):
         super().__init__(config, head_dim, kv_heads, layer_idx)

@@ -30,7 +30,7 @@ from ..primitives.packing import pack_bits, unpack_bits
 from ..primitives.qjl import qjl_matrix
 from ..primitives.rotation import derive_seed
 from ..primitives.validation import check_query
-from .base import Codec, Packed, check_state, chunked_scores, chunked_sum, group_query, ungroup
+from .base import Codec, Packed, check_state, chunked_scores, chunked_sum, group_query, storable, ungroup
 
 
 @dataclass(frozen=True)
@@ -57,14 +57,6 @@ class QJLPacked(Packed):
     signs: torch.Tensor  # (batch, kv_heads, tokens, ceil(m / 8)) uint8, sign(S k_inlier)
     norm: torch.Tensor  # (batch, kv_heads, tokens, 1) float16 (float32 past fp16's range), ||k_inlier||
     outliers: torch.Tensor  # (batch, kv_heads, tokens, n_outliers) float16 (float32 past fp16's range), exact outlier channels
-
-
-_FP16_MAX = torch.finfo(torch.float16).max
-
-
-def _storable(x: torch.Tensor) -> torch.Tensor:
-    """float16 when every value fits (the usual case), else the float32 values: never inf from overflow."""
-    return x.half() if not x.numel() or float(x.abs().max()) <= _FP16_MAX else x.float()
 
 
 class QJLCodec(Codec):
@@ -128,7 +120,7 @@ class QJLCodec(Codec):
         outliers = x.gather(-1, idx)
         inlier = x.scatter(-1, idx, 0.0)
         bits = (inlier @ self.sketch(x.device).mT >= 0).to(torch.uint8)  # S has zero outlier columns
-        return QJLPacked(x.shape[2], pack_bits(bits, 1), _storable(inlier.norm(dim=-1, keepdim=True)), _storable(outliers))
+        return QJLPacked(x.shape[2], pack_bits(bits, 1), storable(inlier.norm(dim=-1, keepdim=True)), storable(outliers))
 
     def _signs(self, packed: QJLPacked) -> torch.Tensor:
         return unpack_bits(packed.signs, 1, self.m).float() * 2 - 1

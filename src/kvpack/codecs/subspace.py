@@ -42,7 +42,7 @@ from ..primitives.packing import pack_bits, unpack_bits
 from ..primitives.pca import pca
 from ..primitives.scalar_codebook import lloyd_1d, nearest_level
 from ..primitives.validation import check_query
-from .base import CHUNK_ELEMENTS, Codec, Packed, check_state, chunked_scores, chunked_sum, group_query, ungroup
+from .base import CHUNK_ELEMENTS, Codec, Packed, check_state, chunked_scores, chunked_sum, group_query, storable, ungroup
 
 BITS = (2, 3, 4)
 _CHUNK_ELEMENTS = CHUNK_ELEMENTS  # largest temporary of `scores` / `weighted_sum`: the shared bound, a knob tests shrink
@@ -77,7 +77,7 @@ class SubspaceConfig:
 @dataclass
 class SubspacePacked(Packed):
     codes: torch.Tensor  # (batch, kv_heads, tokens, ceil(d * bits / 8)) uint8, bit-packed along components
-    scale: torch.Tensor  # (batch, kv_heads, tokens, n_subspaces) float16 absmax of each subspace's normalized coefficients
+    scale: torch.Tensor  # (batch, kv_heads, tokens, n_subspaces) float16 (float32 past its range) absmax of each subspace's normalized coefficients
 
 
 class SubspaceCodec(Codec):
@@ -138,7 +138,7 @@ class SubspaceCodec(Codec):
     def _normalized(self, coefs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`coefs (b, h, t, d)` -> (coefficients / std on [-1, 1] `(b, h, t, S, width)`, fp16 absmax scale `(b, h, t, S)`)."""
         groups = self._split(coefs / self._state("std", coefs.device)[None, :, None])
-        scale = groups.abs().amax(-1).half()  # quantize against the stored fp16 scale, which decode reads
+        scale = storable(groups.abs().amax(-1))  # quantize against the stored scale (fp16; fp32 past its range), which decode reads
         return groups / scale.float().clamp_min(1e-30).unsqueeze(-1), scale
 
     # -- encode / decode ------------------------------------------------------------------------

@@ -13,6 +13,9 @@ Layout per vector (d = head_dim, b = MSE bits): norm fp16 (2 B) + ceil(d·b/8) B
 The QJL sketch acts on the *rotated* residual: S' = S·Πᵀ has the same distribution as S (rows
 Gaussian, orthogonalized), so sampling S' directly costs nothing and lets scores and weighted
 sums stay in the rotated space: one query rotation per call, one inverse rotation per output.
+
+A block whose norms pass fp16's range (65504: entries of 1e4 at d = 64) stores them in float32 (`storable`); its
+segment then runs the torch paths, since the fused kernels read fp16 norms.
 """
 
 from __future__ import annotations
@@ -40,8 +43,8 @@ from ..primitives.rotation import (
     randomized_hadamard,
     randomized_hadamard_inverse,
 )
-from ..primitives.validation import check_query
-from .base import Codec, Packed, check_state, chunked_scores, chunked_sum, group_query, ungroup
+from ..primitives.validation import check_query, checks_values
+from .base import Codec, Packed, check_state, chunked_scores, chunked_sum, group_query, storable, ungroup
 from .rope_keys import UnRopedKeys
 
 ROTATIONS = ("auto", "qr", "hadamard")
@@ -115,7 +118,7 @@ class TurboQuantConfig:
 
 @dataclass
 class TurboQuantPacked(Packed):
-    norm: torch.Tensor  # (batch, kv_heads, tokens, 1) float16, ||x||
+    norm: torch.Tensor  # (batch, kv_heads, tokens, 1) float16 (float32 past its range, `storable`), ||x||
     codes: torch.Tensor  # (batch, kv_heads, tokens, ceil(d * mse_bits / 8)) uint8, bit-packed indices
     residual_norm: torch.Tensor | None = None  # (batch, kv_heads, tokens, 1) float16, ||x - x̂|| (qjl only)
     signs: torch.Tensor | None = None  # (batch, kv_heads, tokens, ceil(d / 8)) uint8, sign(S' Π r) (qjl only)
@@ -264,7 +267,8 @@ class TurboQuantCodec(UnRopedKeys, Codec):
     def _use_kernels(self, packed: TurboQuantPacked, rows: int) -> bool:
         """The fused kernel for decode-sized row counts; many rows (prompt chunks) amortize one
         unpack over a matmul better than a lookup table per row."""
-        return self.codebook is not None and self._trellis_book is None and rows <= kernels.MAX_KERNEL_ROWS and packed.codes.device.type == "cpu" and kernels.available()
+        return (self.codebook is not None and self._trellis_book is None and rows <= kernels.MAX_KERNEL_ROWS and packed.codes.device.type == "cpu"
+                and packed.norm.dtype == torch.float16 and kernels.available())
 
     def _signs(self, packed: TurboQuantPacked) -> torch.Tensor:
         return unpack_bits(packed.signs, 1, self.head_dim).float() * 2 - 1
@@ -352,7 +356,7 @@ class TurboQuantCodec(UnRopedKeys, Codec):
             x = x / scale
         norm, unit = norm_and_direction(x)
         y = self._rotate(unit)  # (b, kv, t, d) rotated unit vectors
-        norm16 = norm.half()
+        norm16 = storable(norm)  # float32 for a block whose norms pass fp16's range (attention then skips the fused kernels)
         if self.codebook is None:
             codes = torch.empty(*x.shape[:3], 0, dtype=torch.uint8, device=x.device)
             y_hat = torch.zeros_like(y)
@@ -371,7 +375,7 @@ class TurboQuantCodec(UnRopedKeys, Codec):
         # Residual in the original scale against what decode will actually produce (fp16 norm).
         r = norm * y - norm16.float() * y_hat  # rotated residual Π(x - x̂)
         bits = (r @ self.sketch(x.device).mT >= 0).to(torch.uint8)
-        return TurboQuantPacked(x.shape[2], norm16, codes, r.norm(dim=-1, keepdim=True).half(), pack_bits(bits, 1))
+        return TurboQuantPacked(x.shape[2], norm16, codes, storable(r.norm(dim=-1, keepdim=True)), pack_bits(bits, 1))
 
     def _op_encode(self, x: torch.Tensor) -> TurboQuantPacked | None:
         """Off the CPU (or with `KVPACK_BACKEND=triton` on CPU tensors, Triton's interpreter) an MSE-only codec with a
@@ -389,6 +393,8 @@ class TurboQuantCodec(UnRopedKeys, Codec):
         inv_scale = None if self.scale is None else 1.0 / self._on("scale", self.scale, x.device)
         norm, codes = ops.tq_encode(x, mean, inv_scale, signs[:, 0], self._on("boundaries", self.codebook.boundaries, x.device),
                                     self.mse_bits)
+        if checks_values(norm) and not torch.isfinite(norm).all():
+            return None  # norms past fp16's range: the torch path stores them in float32 (`storable`)
         return TurboQuantPacked(x.shape[2], norm, codes)
 
     def _decode_rotated(self, packed: TurboQuantPacked) -> torch.Tensor:

@@ -90,9 +90,19 @@ def lookup(key_codec, value_codec) -> Kernel | None:
 
 def segment_partial(q: torch.Tensor, seg, scale: float, first_position: Callable[[], torch.Tensor] | None = None,
                     skip: torch.Tensor | None = None) -> Partial | None:
-    """One segment's partial through its entry (see `Request` for the arguments); None without one."""
+    """One segment's partial through its entry (see `Request` for the arguments); None without one, or when the
+    segment's per-token norms or scales are not float16 (the form every kernel reads)."""
     kernel = lookup(seg.key_codec, seg.value_codec)
-    return None if kernel is None else kernel.partial(q, seg, Request(scale, first_position, skip))
+    if kernel is None or not fp16_meta(seg):
+        return None
+    return kernel.partial(q, seg, Request(scale, first_position, skip))
+
+
+def fp16_meta(seg) -> bool:
+    """Whether a segment's per-token norms and scales are float16. A block whose norms passed float16's range keeps float32
+    ones (`codecs.base.storable`); its segment then runs its codecs' torch paths, which read either."""
+    return all(getattr(p, name, None) is None or getattr(p, name).dtype == torch.float16
+               for p in (seg.keys, seg.values) for name in ("norm", "scale", "zero"))
 
 
 class ExactRows(NamedTuple):
