@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvpack.serve import pool_calibration
 from kvpack.serve.paged_pool import PoolFormat, encode_rows, gather_rows, paged_attention, write_rows
 
 METHODS = ["int8", "turboquant:k3v2", "turboquant:k4v4"]
@@ -84,11 +85,18 @@ def _dense_reference(fmt, codecs, q, k, v, n, scale, exact_chunk):
     return (s.softmax(-1) @ vd).transpose(0, 1).float()
 
 
+def _state(kv_heads, d, seed=9):
+    """A calibration state fitted on keys with a large shared component and uneven channels."""
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.randn(kv_heads, 300, d, generator=g) * torch.linspace(0.2, 4, d) + 3 * torch.randn(kv_heads, 1, d, generator=g)
+    return pool_calibration.fit_layer(keys, torch.randn(kv_heads, 300, d, generator=g) + 1)
+
+
 def _batch(fmt, heads, kv_heads, d, block_size, specs, garbage: int, seed=0):
     """A pool with `specs` = [(history tokens, tokens this step)] written through scattered block tables, unwritten
     slots filled with the byte `garbage`. Returns the pool, the step's q/k/v, metadata and each sequence's full K/V."""
     g = torch.Generator().manual_seed(seed)
-    codecs = fmt.codecs(kv_heads, layer_idx=2)
+    codecs = fmt.codecs(kv_heads, layer_idx=2, state=_state(kv_heads, d) if fmt.calibrated else None)
     blocks_needed = [-(-(h + n) // block_size) for h, n in specs]
     num_blocks = sum(blocks_needed) + 5
     pool = torch.full((num_blocks, kv_heads, block_size, fmt.row_bytes), garbage, dtype=torch.uint8)
@@ -120,9 +128,10 @@ SPECS = [(37, 1), (5, 1), (40, 7), (0, 9), (32, 1), (0, 1), (70, 1)]
 
 
 @pytest.mark.parametrize("exact_chunk", [True, False])
-@pytest.mark.parametrize("method,d", [("int8", 64), ("turboquant:k3v2", 64), ("turboquant:k4v4", 96), ("turboquant:k2v3", 64)])
-def test_paged_attention_matches_dense_softmax_over_decoded_pages(method, d, exact_chunk):
-    fmt = PoolFormat(method, d, seed=1)
+@pytest.mark.parametrize("method,d,calibrated", [("int8", 64, False), ("turboquant:k3v2", 64, False), ("turboquant:k4v4", 96, False),
+                                                 ("turboquant:k2v3", 64, False), ("turboquant:k3v2", 64, True), ("turboquant:k4v4", 96, True)])
+def test_paged_attention_matches_dense_softmax_over_decoded_pages(method, d, calibrated, exact_chunk):
+    fmt = PoolFormat(method, d, seed=1, calibrated=calibrated)
     heads, kv_heads, block_size, scale = 6, 2, 16, d**-0.5
     codecs, pool, q, k, v, (starts, lens, table), full = _batch(fmt, heads, kv_heads, d, block_size, SPECS, garbage=0xFF)
     out = paged_attention(fmt, codecs, q, k, v, pool, starts, lens, table, scale, exact_chunk=exact_chunk)
@@ -153,6 +162,39 @@ def test_gather_reads_only_the_batch_blocks():
     assert rows.shape == (2, 1, 9, 3)
     assert rows[0, 0, :, 0].tolist() == [4] * 4 + [1] * 4 + [0]
     assert rows[1, 0, :, 0].tolist() == [2, 2, 2] + [0] * 6  # past its length: zero
+
+
+def test_calibration_state_is_the_codecs_own_fit_and_lowers_error():
+    """fit_layer gives what kvpack's TurboQuant codecs fit; a pool using it reconstructs offset, uneven keys better."""
+    state = _state(2, 64)
+    assert set(state) == {"key_mean", "key_scale", "value_mean"} and all(t.shape == (2, 64) for t in state.values())
+    g = torch.Generator().manual_seed(9)
+    keys = torch.randn(2, 300, 64, generator=g) * torch.linspace(0.2, 4, 64) + 3 * torch.randn(2, 1, 64, generator=g)
+    torch.testing.assert_close(state["key_mean"], keys.mean(1))
+    k = keys.transpose(0, 1)  # (tokens, heads, d), the statistics the state was fitted on
+    errors = []
+    for calibrated in (False, True):
+        fmt = PoolFormat("turboquant:k3v2", 64, calibrated=calibrated)
+        codecs = fmt.codecs(2, 0, state if calibrated else None)
+        kd, _ = _decoded(fmt, codecs, k, k)
+        errors.append(float((kd - keys).pow(2).mean()))
+    assert errors[1] < 0.5 * errors[0], errors
+
+
+def test_calibration_file_is_refused_for_another_model(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"a": 1}')
+    path = tmp_path / "cal.safetensors"
+    pool_calibration.save(path, [_state(2, 64)] * 3, pool_calibration.model_fingerprint(model), str(model), "pydoc", 300)
+    assert len(pool_calibration.load(path, pool_calibration.model_fingerprint(model), 3, 2, 64)) == 3
+    with pytest.raises(ValueError, match="holds 3 layers, the model has 4"):
+        pool_calibration.load(path, pool_calibration.model_fingerprint(model), 4, 2, 64)
+    with pytest.raises(ValueError, match=r"no \(4, 64\) key_mean"):
+        pool_calibration.load(path, pool_calibration.model_fingerprint(model), 3, 4, 64)
+    (model / "config.json").write_text('{"a": 2}')
+    with pytest.raises(ValueError, match="another model"):
+        pool_calibration.load(path, pool_calibration.model_fingerprint(model), 3, 2, 64)
 
 
 def test_bfloat16_inputs_give_the_query_dtype():

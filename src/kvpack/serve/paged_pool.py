@@ -9,8 +9,9 @@ norm (TurboQuant), then the key's codes and the value's codes:
 so SmolLM2's d = 64 takes 132 B per (token, head) with int8 (bf16: 256 B) and 44 B with TurboQuant k3v2.
 
 Codec state is static: TurboQuant's rotation is seeded per (layer, head) from one seed and its Lloyd-Max codebook
-is fixed by (d, bits); nothing is fitted on a prompt (no centering, no channel scale), so a row depends only on its
-own token and a full block is the same whichever request wrote it (prefix caching shares it as is).
+is fixed by (d, bits); nothing is fitted on a prompt. Centering and channel scales are either off or fitted once per
+model on calibration text (`calibrated`, `pool_calibration`), so a row depends only on its own token and a full block
+is the same whichever request wrote it (prefix caching shares it as is).
 
 Attention gathers only the blocks of the sequences in the batch (never the whole pool) and computes scores and
 weighted sums on the codes through the codec's own compressed-domain ops (`Codec.scores`, `Codec.weighted_sum`, which
@@ -33,6 +34,7 @@ from ..codecs.base import Codec, Packed
 from ..codecs.int8 import Int8Codec, Int8Config, Int8Packed
 from ..codecs.turboquant import TurboQuantCodec, TurboQuantConfig, TurboQuantPacked
 
+KEY_CHANNEL_SCALE = 0.5  # calibrated keys: RMS^0.5 per channel, as kvpack's turboquant:kXvY methods scale them
 POOL_METHODS = ("int8", "turboquant:kXvY (X, Y in 1..4)")
 NORM_BYTES = 2  # fp16 scale or norm per (token, head) and side
 ROW_CHUNK = 512  # query rows per score matrix in a prefill: bounds the (heads, rows, tokens) float temporary
@@ -45,18 +47,25 @@ class PoolFormat:
     method: "int8" or "turboquant:kXvY" with X, Y in 1..4 (scalar Lloyd-Max codes after a seeded rotation).
     head_dim: the model's head size d.
     seed: base seed of TurboQuant's rotations (each (layer, head) derives its own).
+    calibrated: TurboQuant keys centered and channel-scaled, values centered, by per-layer state fitted once on
+        calibration text (`pool_calibration`; `codecs` then takes each layer's state). The rows are the same size.
     """
 
     method: str
     head_dim: int
     seed: int = 0
+    calibrated: bool = False
 
     def __post_init__(self):
         if not isinstance(self.head_dim, int) or self.head_dim < 1:
             raise ValueError(f"head_dim must be a positive int, got {self.head_dim!r}")
         if not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"seed must be a non-negative int, got {self.seed!r}")
-        _ = self.bits  # validates the method name
+        if not isinstance(self.calibrated, bool):
+            raise ValueError(f"calibrated must be True or False, got {self.calibrated!r}")
+        bits = self.bits  # validates the method name
+        if self.calibrated and bits is None:
+            raise ValueError("calibration (key/value centering and channel scales) applies to TurboQuant pools, not int8")
 
     @property
     def bits(self) -> tuple[int, int] | None:
@@ -85,13 +94,21 @@ class PoolFormat:
         """Bytes per (token, head): both scales or norms and both sides' codes."""
         return 2 * NORM_BYTES + sum(self.code_bytes)
 
-    def codecs(self, kv_heads: int, layer_idx: int) -> tuple[Codec, Codec]:
-        """The (key, value) codecs of one layer: static, seeded per (layer, head)."""
+    def codecs(self, kv_heads: int, layer_idx: int, state: dict[str, torch.Tensor] | None = None) -> tuple[Codec, Codec]:
+        """The (key, value) codecs of one layer: static, seeded per (layer, head); when `calibrated`, loaded with the
+        layer's `state` (key_mean, key_scale, value_mean `(kv_heads, d)` float32, from `pool_calibration`)."""
         if self.bits is None:
             return Int8Codec(Int8Config(), self.head_dim, kv_heads, layer_idx), Int8Codec(Int8Config(), self.head_dim, kv_heads, layer_idx)
+        if self.calibrated != (state is not None):
+            raise ValueError("a calibrated pool's codecs take each layer's state, an uncalibrated pool's none")
         kb, vb = self.bits
-        key = TurboQuantCodec(TurboQuantConfig(bits=kb, seed=self.seed), self.head_dim, kv_heads, layer_idx)
-        return key, TurboQuantCodec(TurboQuantConfig(bits=vb, seed=self.seed), self.head_dim, kv_heads, layer_idx)
+        scaled = {"center": True, "channel_scale": KEY_CHANNEL_SCALE} if self.calibrated else {}
+        key = TurboQuantCodec(TurboQuantConfig(bits=kb, seed=self.seed, **scaled), self.head_dim, kv_heads, layer_idx)
+        value = TurboQuantCodec(TurboQuantConfig(bits=vb, seed=self.seed, center=self.calibrated), self.head_dim, kv_heads, layer_idx)
+        if state is not None:
+            key.load_state_dict({"mean": state["key_mean"].float(), "scale": state["key_scale"].float()})
+            value.load_state_dict({"mean": state["value_mean"].float()})
+        return key, value
 
 
 def _scale_and_codes(packed: Packed) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,7 +13,8 @@ the engine's "KV cache size: N tokens" counts the compressed rows; `do_kv_cache_
 into their slots; `forward` attends through the block table (`paged_pool.paged_attention`).
 
 additional_config["kvpack"]: method ("int8" or "turboquant:kXvY", default "turboquant:k3v2"), seed (TurboQuant's
-rotation seed, default 0), exact_chunk (default true: the tokens computed in a step attend to each other exactly and
+rotation seed, default 0), calibration (a file of per-layer key/value centering and key channel scales fitted once on
+this model, `python -m kvpack.serve.pool_calibration`; TurboQuant only; default none: no centering), exact_chunk (default true: the tokens computed in a step attend to each other exactly and
 to the compressed history; false reads them back from the pool too, for measuring what the codes cost).
 
 Refused when the engine starts, with the limit named: other methods (codec state fitted per prompt), sliding-window,
@@ -37,13 +38,14 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionMetadata,
 )
 
+from . import pool_calibration
 from .paged_pool import PoolFormat, encode_rows, paged_attention, write_rows
 
 logger = init_logger(__name__)
 
 CONFIG_KEY = "kvpack"
 DEFAULT_POOL_METHOD = "turboquant:k3v2"
-OPTIONS = ("method", "seed", "exact_chunk")
+OPTIONS = ("method", "seed", "calibration", "exact_chunk")
 
 
 @dataclass(frozen=True)
@@ -52,10 +54,11 @@ class PoolSettings:
 
     method: str = DEFAULT_POOL_METHOD
     seed: int = 0
+    calibration: str | None = None
     exact_chunk: bool = True
 
     def __post_init__(self):
-        PoolFormat(self.method, 64, self.seed)  # names the allowed methods when this one is not
+        PoolFormat(self.method, 64, self.seed, self.calibration is not None)  # names the allowed methods when this one is not
         if not isinstance(self.exact_chunk, bool):
             raise ValueError(f"kvpack option exact_chunk must be true or false, got {self.exact_chunk!r}")
 
@@ -119,6 +122,20 @@ class KVPackAttentionBackend(CPUAttentionBackend):
 _PROCESS_SETTINGS: dict[str, PoolSettings] = {}
 
 
+_CALIBRATIONS: dict[str, list[dict[str, torch.Tensor]]] = {}  # path -> per-layer state, read once per process
+
+
+def _calibration(path: str, config: VllmConfig | None, kv_heads: int, head_dim: int) -> list[dict[str, torch.Tensor]]:
+    """The calibration file's per-layer state, checked against the served model (refused for another one)."""
+    if path not in _CALIBRATIONS:
+        if config is None:
+            raise ValueError("kvpack calibration: the engine's model is unknown here, so the file cannot be checked against it")
+        layers = config.model_config.get_num_layers(config.parallel_config)
+        fingerprint = pool_calibration.model_fingerprint(config.model_config.model)
+        _CALIBRATIONS[path] = pool_calibration.load(path, fingerprint, layers, kv_heads, head_dim)
+    return _CALIBRATIONS[path]
+
+
 class KVPackAttentionImpl(CPUAttentionBackendImpl):
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int, alibi_slopes, sliding_window,
                  kv_cache_dtype: str, logits_soft_cap=None, attn_type: str = AttentionType.DECODER,
@@ -145,7 +162,8 @@ class KVPackAttentionImpl(CPUAttentionBackendImpl):
         if limits:
             raise NotImplementedError("kvpack KV pool cannot serve this engine: " + "; ".join(limits)
                                       + f'. Remove additional_config["{CONFIG_KEY}"] to run vLLM\'s own KV cache.')
-        self.format = PoolFormat(self.settings.method, head_size, self.settings.seed)
+        self.format = PoolFormat(self.settings.method, head_size, self.settings.seed, self.settings.calibration is not None)
+        self._state = _calibration(self.settings.calibration, config, num_kv_heads, head_size) if self.settings.calibration else None
         _PROCESS_SETTINGS["settings"] = self.settings
         self._codecs: tuple[Any, Any] | None = None
         logger.info_once("kvpack KV pool: %s, %d bytes per (token, head) (model dtype %s would take %s)", self.settings.method,
@@ -154,7 +172,8 @@ class KVPackAttentionImpl(CPUAttentionBackendImpl):
 
     def _layer_codecs(self, layer: torch.nn.Module) -> tuple[Any, Any]:
         if self._codecs is None:  # the layer's index seeds its rotations; known once a layer calls
-            self._codecs = self.format.codecs(self.num_kv_heads, extract_layer_index(layer.layer_name))
+            index = extract_layer_index(layer.layer_name)
+            self._codecs = self.format.codecs(self.num_kv_heads, index, None if self._state is None else self._state[index])
         return self._codecs
 
     def do_kv_cache_update(self, layer: torch.nn.Module, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
