@@ -70,10 +70,11 @@ def _decoded(fmt, codecs, k, v):
     return (codecs[0].decode(codecs[0].encode(k.transpose(0, 1)[None]))[0], codecs[1].decode(codecs[1].encode(v.transpose(0, 1)[None]))[0])
 
 
-def _dense_reference(fmt, codecs, q, k, v, n, scale, exact_chunk):
+def _dense_reference(fmt, codecs, q, k, v, n, scale, exact_chunk, sinks=0):
     """Softmax attention of the last `n` positions' queries `q (n, heads, d)` over decoded K/V of all `(L, kv, d)`
-    tokens (the last n exact when `exact_chunk`), causal."""
+    tokens (the first `sinks` and, when `exact_chunk`, the last n exact), causal."""
     kd, vd = _decoded(fmt, codecs, k, v)
+    kd[:, :sinks], vd[:, :sinks] = k[:sinks].transpose(0, 1), v[:sinks].transpose(0, 1)
     if exact_chunk:
         kd[:, -n:], vd[:, -n:] = k[-n:].transpose(0, 1), v[-n:].transpose(0, 1)
     group = q.shape[1] // k.shape[1]
@@ -128,17 +129,26 @@ SPECS = [(37, 1), (5, 1), (40, 7), (0, 9), (32, 1), (0, 1), (70, 1)]
 
 
 @pytest.mark.parametrize("exact_chunk", [True, False])
+@pytest.mark.parametrize("sinks", [0, 3])
 @pytest.mark.parametrize("method,d,calibrated", [("int8", 64, False), ("turboquant:k3v2", 64, False), ("turboquant:k4v4", 96, False),
                                                  ("turboquant:k2v3", 64, False), ("turboquant:k3v2", 64, True), ("turboquant:k4v4", 96, True)])
-def test_paged_attention_matches_dense_softmax_over_decoded_pages(method, d, calibrated, exact_chunk):
+def test_paged_attention_matches_dense_softmax_over_decoded_pages(method, d, calibrated, sinks, exact_chunk):
     fmt = PoolFormat(method, d, seed=1, calibrated=calibrated)
     heads, kv_heads, block_size, scale = 6, 2, 16, d**-0.5
     codecs, pool, q, k, v, (starts, lens, table), full = _batch(fmt, heads, kv_heads, d, block_size, SPECS, garbage=0xFF)
-    out = paged_attention(fmt, codecs, q, k, v, pool, starts, lens, table, scale, exact_chunk=exact_chunk)
+    # Exact sinks as a serving engine holds them: each sequence's first positions, NaN where it has none yet.
+    held = None
+    if sinks:
+        held = tuple(torch.full((len(SPECS), sinks, kv_heads, d), float("nan")) for _ in range(2))
+        for s, (kf, vf) in enumerate(full):
+            m = min(sinks, kf.shape[0])
+            held[0][s, :m], held[1][s, :m] = kf[:m], vf[:m]
+        held = tuple(torch.nan_to_num(x) for x in held)  # what the backend hands over: zeros where a sequence has none
+    out = paged_attention(fmt, codecs, q, k, v, pool, starts, lens, table, scale, exact_chunk=exact_chunk, sinks=held)
     assert out.shape == q.shape and bool(torch.isfinite(out).all())
     for s, (_, n) in enumerate(SPECS):
         a, e = int(starts[s]), int(starts[s + 1])
-        ref = _dense_reference(fmt, codecs, q[a:e], *full[s], n, scale, exact_chunk)
+        ref = _dense_reference(fmt, codecs, q[a:e], *full[s], n, scale, exact_chunk, sinks)
         torch.testing.assert_close(out[a:e], ref, atol=2e-4, rtol=2e-4)
 
 

@@ -179,26 +179,49 @@ def _partial(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     return m, p.sum(-1, keepdim=True), p
 
 
-def _merge(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """Normalized output of online-softmax partials `(m, l, o)` over disjoint key sets (log-sum-exp merge)."""
+def _merge_partials(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One partial `(m, l, o)` of online-softmax partials over disjoint key sets (log-sum-exp merge)."""
     m = torch.stack([p[0] for p in parts]).amax(0)
     w = [torch.where(p[1] > 0, torch.exp(p[0] - m), torch.zeros_like(m)) for p in parts]
     num = sum(wi * p[2] for wi, p in zip(w, parts, strict=True))
     den = sum(wi * p[1] for wi, p in zip(w, parts, strict=True))
+    return m, den, num
+
+
+def _merge(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """Normalized output of online-softmax partials `(m, l, o)` over disjoint key sets."""
+    _, den, num = _merge_partials(parts)
     return num / den.clamp_min(torch.finfo(torch.float32).tiny)
 
 
+def _exact_partial(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, visible: torch.Tensor, scale: float) -> tuple[torch.Tensor, ...]:
+    """Partial of `query (b, heads, r, d)` over exact `key, value (b, S, kv_heads, d)`, row i seeing `t < visible[:, i]`."""
+    group = query.shape[1] // key.shape[2]
+    k = key.float().transpose(1, 2).repeat_interleave(group, 1)  # (b, heads, S, d)
+    v = value.float().transpose(1, 2).repeat_interleave(group, 1)
+    s = (query.float() @ k.mT) * scale  # (b, heads, r, S)
+    t = torch.arange(key.shape[1], device=query.device)
+    m, denom, p = _partial(s.masked_fill(t[None, None, None, :] >= visible[:, None, :, None], float("-inf")))
+    return m, denom, p @ v
+
+
 def history_partial(fmt: PoolFormat, codecs: tuple[Codec, Codec], query: torch.Tensor, rows: torch.Tensor, visible: torch.Tensor,
-                    scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    scale: float, sinks: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Attention partial of `query (b, heads, r, d)` over compressed rows `(b, kv_heads, T, row_bytes)`, query row i of
-    sequence s seeing tokens `t < visible[s, i]` (`visible (b, r)`). Returns m, l `(b, heads, r, 1)`, o `(b, heads, r, d)`
-    float32 (o unnormalized: Σ exp(s - m) v̂)."""
+    sequence s seeing tokens `t < visible[s, i]` (`visible (b, r)`). `sinks`: exact K, V `(b, S, kv_heads, d)` of each
+    sequence's first S tokens, read in place of their rows. Returns m, l `(b, heads, r, 1)`, o `(b, heads, r, d)` float32
+    (o unnormalized: Σ exp(s - m) v̂)."""
     k, v = unpack_rows(fmt, rows)
     s = codecs[0].scores(query, k) * scale  # (b, heads, r, T)
     t = torch.arange(rows.shape[2], device=query.device)
-    s = s.masked_fill(t[None, None, None, :] >= visible[:, None, :, None], float("-inf"))
-    m, denom, p = _partial(s)
-    return m, denom, codecs[1].weighted_sum(p, v)
+    first = 0 if sinks is None else sinks[0].shape[1]
+    hidden = (t[None, None, None, :] >= visible[:, None, :, None]) | (t < first)[None, None, None, :]
+    m, denom, p = _partial(s.masked_fill(hidden, float("-inf")))
+    part = (m, denom, codecs[1].weighted_sum(p, v))
+    if sinks is None:
+        return part
+    exact = _exact_partial(query, sinks[0], sinks[1], visible, scale)
+    return _merge_partials([part, exact])
 
 
 def chunk_partial(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, first: int = 0) -> tuple[torch.Tensor, ...]:
@@ -215,13 +238,14 @@ def chunk_partial(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, s
 
 def paged_attention(fmt: PoolFormat, codecs: tuple[Codec, Codec], query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     pool: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
-                    scale: float, exact_chunk: bool = True) -> torch.Tensor:
+                    scale: float, exact_chunk: bool = True, sinks: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Causal attention of a batch of sequences over the pool, `(tokens, heads, d)` in the query's dtype.
 
     query `(tokens, heads, d)`, key/value `(tokens, kv_heads, d)`: this step's tokens, sequence s's at rows
     `query_start_loc[s]:query_start_loc[s + 1]`, already written to `pool` (`write_rows`); `seq_lens (b,)` each
     sequence's length including them; `block_table (b, max_blocks)` its blocks. Sequences computing one token (decode)
-    are attended in one batched call, the others (prefill chunks) one at a time.
+    are attended in one batched call, the others (prefill chunks) one at a time. `sinks`: exact K, V
+    `(b, S, kv_heads, d)` of each sequence's first S positions (those it has), attended in place of their rows.
     """
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
@@ -232,7 +256,8 @@ def paged_attention(fmt: PoolFormat, codecs: tuple[Codec, Codec], query: torch.T
         seen = torch.tensor([lens[s] - (1 if exact_chunk else 0) for s in decode])  # compressed tokens each one sees
         rows = gather_rows(pool, block_table[decode], seen)
         q = query[idx].unsqueeze(2)  # (b, heads, 1, d)
-        parts = [history_partial(fmt, codecs, q, rows, seen[:, None], scale)]
+        sink = None if sinks is None else (sinks[0][decode], sinks[1][decode])
+        parts = [history_partial(fmt, codecs, q, rows, seen[:, None], scale, sink)]
         if exact_chunk:  # its own token, exact
             group = query.shape[1] // key.shape[1]
             kk = key[idx].float().repeat_interleave(group, 1)  # (b, heads, d)
@@ -253,7 +278,8 @@ def paged_attention(fmt: PoolFormat, codecs: tuple[Codec, Codec], query: torch.T
             parts = []
             if rows is not None:
                 visible = torch.full((1, ce - c), before) if exact_chunk else before + torch.arange(c + 1, ce + 1)[None]
-                parts.append(tuple(x[0] for x in history_partial(fmt, codecs, q.unsqueeze(0), rows, visible, scale)))
+                sink = None if sinks is None else (sinks[0][s : s + 1], sinks[1][s : s + 1])
+                parts.append(tuple(x[0] for x in history_partial(fmt, codecs, q.unsqueeze(0), rows, visible, scale, sink)))
             if exact_chunk:
                 k = key[a : a + ce].transpose(0, 1)
                 v = value[a : a + ce].transpose(0, 1)

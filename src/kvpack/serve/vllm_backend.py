@@ -14,7 +14,8 @@ into their slots; `forward` attends through the block table (`paged_pool.paged_a
 
 additional_config["kvpack"]: method ("int8" or "turboquant:kXvY", default "turboquant:k3v2"), seed (TurboQuant's
 rotation seed, default 0), calibration (a file of per-layer key/value centering and key channel scales fitted once on
-this model, `python -m kvpack.serve.pool_calibration`; TurboQuant only; default none: no centering), exact_chunk (default true: the tokens computed in a step attend to each other exactly and
+this model, `python -m kvpack.serve.pool_calibration`; TurboQuant only; default none: no centering), sink_tokens
+(each sequence's first tokens also kept exact, in the model's dtype, beside the pool: default 4), exact_chunk (default true: the tokens computed in a step attend to each other exactly and
 to the compressed history; false reads them back from the pool too, for measuring what the codes cost).
 
 Refused when the engine starts, with the limit named: other methods (codec state fitted per prompt), sliding-window,
@@ -39,13 +40,14 @@ from vllm.v1.attention.backends.cpu_attn import (
 )
 
 from . import pool_calibration
-from .paged_pool import PoolFormat, encode_rows, paged_attention, write_rows
+from .paged_pool import PoolFormat, encode_rows, gather_rows, paged_attention, unpack_rows, write_rows
 
 logger = init_logger(__name__)
 
 CONFIG_KEY = "kvpack"
 DEFAULT_POOL_METHOD = "turboquant:k3v2"
-OPTIONS = ("method", "seed", "calibration", "exact_chunk")
+OPTIONS = ("method", "seed", "calibration", "sink_tokens", "exact_chunk")
+DEFAULT_SINK_TOKENS = 4  # as kvpack's methods keep (MethodConfig.sink_tokens): the first tokens draw most attention
 
 
 @dataclass(frozen=True)
@@ -55,10 +57,13 @@ class PoolSettings:
     method: str = DEFAULT_POOL_METHOD
     seed: int = 0
     calibration: str | None = None
+    sink_tokens: int = DEFAULT_SINK_TOKENS
     exact_chunk: bool = True
 
     def __post_init__(self):
         PoolFormat(self.method, 64, self.seed, self.calibration is not None)  # names the allowed methods when this one is not
+        if not isinstance(self.sink_tokens, int) or not 0 <= self.sink_tokens <= 32:
+            raise ValueError(f"kvpack option sink_tokens must be an int in 0..32, got {self.sink_tokens!r}")
         if not isinstance(self.exact_chunk, bool):
             raise ValueError(f"kvpack option exact_chunk must be true or false, got {self.exact_chunk!r}")
 
@@ -166,6 +171,10 @@ class KVPackAttentionImpl(CPUAttentionBackendImpl):
         self._state = _calibration(self.settings.calibration, config, num_kv_heads, head_size) if self.settings.calibration else None
         _PROCESS_SETTINGS["settings"] = self.settings
         self._codecs: tuple[Any, Any] | None = None
+        # Exact K, V `(sink_tokens, kv_heads, d)` of the first positions, keyed by the block holding them (a sequence's
+        # first block): written when those positions are computed, dropped when the block is rewritten for later
+        # positions, so a prefix-cache hit on a first block finds its sinks and a reused block never shows stale ones.
+        self._sinks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         logger.info_once("kvpack KV pool: %s, %d bytes per (token, head) (model dtype %s would take %s)", self.settings.method,
                          self.format.row_bytes, config.model_config.dtype if config else "?",
                          2 * head_size * (config.model_config.dtype.itemsize if config else 2))
@@ -198,7 +207,47 @@ class KVPackAttentionImpl(CPUAttentionBackendImpl):
         q = query[:n].view(n, self.num_heads, self.head_size)
         k = key[:n].view(n, self.num_kv_heads, self.head_size)
         v = value[:n].view(n, self.num_kv_heads, self.head_size)
+        sinks = self._update_sinks(layer, k, v, attn_metadata, kv_cache) if self.settings.sink_tokens else None
         out = paged_attention(self.format, self._layer_codecs(layer), q, k, v, kv_cache, attn_metadata.query_start_loc,
-                              attn_metadata.seq_lens, attn_metadata.block_table, self.scale, self.settings.exact_chunk)
+                              attn_metadata.seq_lens, attn_metadata.block_table, self.scale, self.settings.exact_chunk, sinks)
         output[:n].view(n, self.num_heads, self.head_size).copy_(out)
         return output
+
+    def _update_sinks(self, layer: torch.nn.Module, key: torch.Tensor, value: torch.Tensor, meta: CPUAttentionMetadata,
+                      pool: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Store this step's tokens at positions < sink_tokens, forget blocks rewritten for later positions, and return
+        every sequence's sinks `(b, sink_tokens, kv_heads, d)` (zeros where a position is not computed yet)."""
+        count = self.settings.sink_tokens
+        block_size = pool.shape[2]
+        starts, lens = meta.query_start_loc.tolist(), meta.seq_lens.tolist()
+        table = meta.block_table
+        shape = (count, self.num_kv_heads, self.head_size)
+        for s in range(len(lens)):
+            a, e = starts[s], starts[s + 1]
+            before = lens[s] - (e - a)
+            first_block = int(table[s, 0])
+            for index in range(max(before // block_size, 1), (lens[s] - 1) // block_size + 1):
+                self._sinks.pop(int(table[s, index]), None)  # later positions now live in this block
+            if before < count:
+                if before == 0:
+                    self._sinks[first_block] = (key.new_zeros(shape), value.new_zeros(shape))
+                elif first_block not in self._sinks:  # not seen computed here: its decoded rows, the best left
+                    self._sinks[first_block] = self._decoded_sinks(layer, pool, table[s : s + 1], before, shape, key.dtype)
+                stop = min(lens[s], count)
+                self._sinks[first_block][0][before:stop] = key[a : a + stop - before]
+                self._sinks[first_block][1][before:stop] = value[a : a + stop - before]
+        zeros = (key.new_zeros(shape), value.new_zeros(shape))
+        held = [self._sinks.get(int(table[s, 0]), zeros) for s in range(len(lens))]
+        return torch.stack([h[0] for h in held]), torch.stack([h[1] for h in held])
+
+    def _decoded_sinks(self, layer, pool: torch.Tensor, table: torch.Tensor, known: int, shape: tuple, dtype) -> tuple[torch.Tensor, ...]:
+        """Sinks `(sink_tokens, kv_heads, d)` decoded from the pool's first `known` rows of one sequence (zeros past them)."""
+        rows = gather_rows(pool, table, torch.tensor([min(known, shape[0])]))
+        k, v = unpack_rows(self.format, rows)
+        codecs = self._layer_codecs(layer)
+        out = []
+        for codec, packed in ((codecs[0], k), (codecs[1], v)):
+            full = torch.zeros(shape, dtype=dtype)
+            full[: packed.num_tokens] = codec.decode(packed)[0].transpose(0, 1).to(dtype)
+            out.append(full)
+        return out[0], out[1]
