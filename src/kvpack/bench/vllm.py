@@ -129,6 +129,13 @@ def agreement(run: dict, base: dict) -> dict:
             "perplexity": round(math.exp(sum(nll) / len(nll)), 3)}
 
 
+def dump(result: dict) -> str:
+    """The result as JSON: settings and summary indented, each engine's run (long per-position lists) on one line."""
+    head = json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=1)[:-2]
+    runs = ",\n".join(f"  {json.dumps(name)}: {json.dumps(run)}" for name, run in result["runs"].items())
+    return head + ',\n "runs": {\n' + runs + "\n }\n}\n"
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m kvpack.bench.vllm", description=__doc__.split("\n\n")[0])
     parser.add_argument("--instance", help=argparse.SUPPRESS)
@@ -198,7 +205,7 @@ def main(argv: list[str] | None = None) -> None:
     result = {"environment": stamp, "settings": vars(args) | {"scored_positions_per_window": scored}, "summary": summary, "runs": runs}
     out = Path(args.out or f"bench/results/vllm-pool-{Path(args.model).name}-{args.dtype}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
+    out.write_text(dump(result))
     for row in summary:
         print(json.dumps(row))
     print(f"wrote {out}")
