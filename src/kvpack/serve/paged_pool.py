@@ -1,0 +1,288 @@
+"""A paged KV pool whose pages hold kvpack codes, and attention that reads them through a block table.
+
+A serving engine's pool is `(blocks, kv_heads, block_size, row_bytes)` uint8: one row per (token, head), written
+once when the token's K and V are computed. A row holds, in order, the key's and the value's fp16 scale (int8) or
+norm (TurboQuant), then the key's codes and the value's codes:
+
+    [k_scale: 2 B | v_scale: 2 B | k_codes: kc B | v_codes: vc B]     kc, vc = ceil(d * bits / 8) (int8: d)
+
+so SmolLM2's d = 64 takes 132 B per (token, head) with int8 (bf16: 256 B) and 44 B with TurboQuant k3v2.
+
+Codec state is static: TurboQuant's rotation is seeded per (layer, head) from one seed and its Lloyd-Max codebook
+is fixed by (d, bits); nothing is fitted on a prompt. Centering and channel scales are either off or fitted once per
+model on calibration text (`calibrated`, `pool_calibration`), so a row depends only on its own token and a full block
+is the same whichever request wrote it (prefix caching shares it as is).
+
+Attention gathers only the blocks of the sequences in the batch (never the whole pool) and computes scores and
+weighted sums on the codes through the codec's own compressed-domain ops (`Codec.scores`, `Codec.weighted_sum`, which
+run kvpack's CPU kernels for decode-sized row counts). The keys and values of the tokens being computed in this
+step are attended exactly and merged with the compressed history by log-sum-exp (`exact_chunk=True`); with
+`exact_chunk=False` every token, the step's own included, is read back from the pool (a strict measure of what the
+codes cost: every position sees only compressed keys and values). Slots past a sequence's length are zeroed after
+the gather, so an unwritten or stale slot never reaches a score or a sum, whatever bytes it holds.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+import torch
+
+from ..codecs.base import Codec, Packed
+from ..codecs.int8 import Int8Codec, Int8Config, Int8Packed
+from ..codecs.turboquant import TurboQuantCodec, TurboQuantConfig, TurboQuantPacked
+
+KEY_CHANNEL_SCALE = 0.5  # calibrated keys: RMS^0.5 per channel, as kvpack's turboquant:kXvY methods scale them
+POOL_METHODS = ("int8", "turboquant:kXvY (X, Y in 1..4)")
+NORM_BYTES = 2  # fp16 scale or norm per (token, head) and side
+ROW_CHUNK = 512  # query rows per score matrix in a prefill: bounds the (heads, rows, tokens) float temporary
+
+
+@dataclass(frozen=True)
+class PoolFormat:
+    """What a pool row holds: `int8` (per-token symmetric int8, fp16 scale) or TurboQuant with `key_bits`/`value_bits`.
+
+    method: "int8" or "turboquant:kXvY" with X, Y in 1..4 (scalar Lloyd-Max codes after a seeded rotation).
+    head_dim: the model's head size d.
+    seed: base seed of TurboQuant's rotations (each (layer, head) derives its own).
+    calibrated: TurboQuant keys centered and channel-scaled, values centered, by per-layer state fitted once on
+        calibration text (`pool_calibration`; `codecs` then takes each layer's state). The rows are the same size.
+    """
+
+    method: str
+    head_dim: int
+    seed: int = 0
+    calibrated: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.head_dim, int) or self.head_dim < 1:
+            raise ValueError(f"head_dim must be a positive int, got {self.head_dim!r}")
+        if not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"seed must be a non-negative int, got {self.seed!r}")
+        if not isinstance(self.calibrated, bool):
+            raise ValueError(f"calibrated must be True or False, got {self.calibrated!r}")
+        bits = self.bits  # validates the method name
+        if self.calibrated and bits is None:
+            raise ValueError("calibration (key/value centering and channel scales) applies to TurboQuant pools, not int8")
+
+    @property
+    def bits(self) -> tuple[int, int] | None:
+        """(key bits, value bits) for TurboQuant, None for int8."""
+        if self.method == "int8":
+            return None
+        match = re.fullmatch(r"turboquant:k([1-4])v([1-4])", self.method)
+        if match:
+            return int(match[1]), int(match[2])
+        raise ValueError(
+            f"the kvpack KV pool stores {', '.join(POOL_METHODS)}, got method {self.method!r}. Methods whose codec state is "
+            "fitted per prompt or per block (shard, kivi, kvquant, pca, vq, TurboQuant's '+ropemean' centering and channel "
+            "scales), QJL residuals ('+qjl') and trellis codes ('+tcq') have no place in a write-once page yet; their "
+            "compressed prefixes are served by kvpack's KV connector (kvpack.serve.vllm_connector)"
+        )
+
+    @property
+    def code_bytes(self) -> tuple[int, int]:
+        """Bytes of the key's and the value's codes per (token, head)."""
+        if self.bits is None:
+            return self.head_dim, self.head_dim
+        return tuple(math.ceil(self.head_dim * b / 8) for b in self.bits)  # type: ignore[return-value]
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes per (token, head): both scales or norms and both sides' codes."""
+        return 2 * NORM_BYTES + sum(self.code_bytes)
+
+    def codecs(self, kv_heads: int, layer_idx: int, state: dict[str, torch.Tensor] | None = None) -> tuple[Codec, Codec]:
+        """The (key, value) codecs of one layer: static, seeded per (layer, head); when `calibrated`, loaded with the
+        layer's `state` (key_mean, key_scale, value_mean `(kv_heads, d)` float32, from `pool_calibration`)."""
+        if self.bits is None:
+            return Int8Codec(Int8Config(), self.head_dim, kv_heads, layer_idx), Int8Codec(Int8Config(), self.head_dim, kv_heads, layer_idx)
+        if self.calibrated != (state is not None):
+            raise ValueError("a calibrated pool's codecs take each layer's state, an uncalibrated pool's none")
+        kb, vb = self.bits
+        scaled = {"center": True, "channel_scale": KEY_CHANNEL_SCALE} if self.calibrated else {}
+        key = TurboQuantCodec(TurboQuantConfig(bits=kb, seed=self.seed, **scaled), self.head_dim, kv_heads, layer_idx)
+        value = TurboQuantCodec(TurboQuantConfig(bits=vb, seed=self.seed, center=self.calibrated), self.head_dim, kv_heads, layer_idx)
+        if state is not None:
+            key.load_state_dict({"mean": state["key_mean"].float(), "scale": state["key_scale"].float()})
+            value.load_state_dict({"mean": state["value_mean"].float()})
+        return key, value
+
+
+def _scale_and_codes(packed: Packed) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(scale or norm (b, h, t, 2) uint8, codes (b, h, t, c) uint8)` of an int8 or TurboQuant packed block."""
+    if isinstance(packed, Int8Packed):
+        return packed.scale.view(torch.uint8), packed.codes.view(torch.uint8)
+    if isinstance(packed, TurboQuantPacked) and packed.signs is None:
+        return packed.norm.view(torch.uint8), packed.codes
+    raise TypeError(f"a pool row holds int8 or scalar TurboQuant codes, got {type(packed).__name__}")
+
+
+def encode_rows(fmt: PoolFormat, codecs: tuple[Codec, Codec], key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """Pool rows `(tokens, kv_heads, row_bytes)` uint8 of `key, value (tokens, kv_heads, d)`."""
+    k = codecs[0].encode(key.transpose(0, 1).unsqueeze(0))  # codecs take (batch, kv_heads, tokens, d)
+    v = codecs[1].encode(value.transpose(0, 1).unsqueeze(0))
+    ks, kc = _scale_and_codes(k)
+    vs, vc = _scale_and_codes(v)
+    rows = torch.cat([ks, vs, kc, vc], dim=-1)[0]  # (kv_heads, tokens, row_bytes)
+    assert rows.shape[-1] == fmt.row_bytes, (rows.shape, fmt.row_bytes)
+    return rows.transpose(0, 1)
+
+
+def write_rows(pool: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store `rows (tokens, kv_heads, row_bytes)` at `slot_mapping (tokens,)` (block * block_size + offset) of
+    `pool (blocks, kv_heads, block_size, row_bytes)`, in place. Negative slots (padding) are skipped."""
+    slots = slot_mapping[: rows.shape[0]].long()
+    keep = slots >= 0
+    if not bool(keep.all()):
+        slots, rows = slots[keep], rows[keep]
+    block_size = pool.shape[2]
+    pool[slots // block_size, :, slots % block_size] = rows
+
+
+def unpack_rows(fmt: PoolFormat, rows: torch.Tensor) -> tuple[Packed, Packed]:
+    """Packed key and value blocks `(b, kv_heads, tokens, ·)` of pool rows `rows (b, kv_heads, tokens, row_bytes)`."""
+    kc, vc = fmt.code_bytes
+    n = rows.shape[2]
+    ks = rows[..., 0:NORM_BYTES].contiguous().view(torch.float16)
+    vs = rows[..., NORM_BYTES : 2 * NORM_BYTES].contiguous().view(torch.float16)
+    k_codes = rows[..., 2 * NORM_BYTES : 2 * NORM_BYTES + kc].contiguous()
+    v_codes = rows[..., 2 * NORM_BYTES + kc :].contiguous()
+    if fmt.bits is None:
+        return Int8Packed(n, k_codes.view(torch.int8), ks), Int8Packed(n, v_codes.view(torch.int8), vs)
+    return TurboQuantPacked(n, ks, k_codes), TurboQuantPacked(n, vs, v_codes)
+
+
+def gather_rows(pool: torch.Tensor, block_table: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Rows `(b, kv_heads, T, row_bytes)` of sequences `b` whose blocks are `block_table (b, ≥ ceil(T / block_size))`,
+    T = max(lengths): only their blocks are read. Rows at or past each sequence's length are zero (an unwritten,
+    stale or foreign slot never reaches attention; a zero scale or norm decodes to a zero vector)."""
+    b = block_table.shape[0]
+    block_size = pool.shape[2]
+    t = int(lengths.max()) if b else 0
+    nb = max(-(-t // block_size), 1)
+    ids = block_table[:, :nb].long().clamp_min(0)
+    rows = pool[ids]  # (b, nb, kv_heads, block_size, C)
+    rows = rows.permute(0, 2, 1, 3, 4).reshape(b, pool.shape[1], nb * block_size, pool.shape[3])[:, :, :t]
+    past = torch.arange(t, device=pool.device)[None, :] >= lengths[:, None].to(pool.device)  # (b, T)
+    return rows.masked_fill(past[:, None, :, None], 0)
+
+
+def _partial(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`(m, l, p)`: row max `(…, 1)`, Σ exp(s - m) `(…, 1)` and exp(s - m) of masked scores (-inf = masked).
+    A row with every score masked gets m = 0, l = 0, p = 0."""
+    m = scores.amax(-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    p = torch.exp(scores - m)
+    return m, p.sum(-1, keepdim=True), p
+
+
+def _merge_partials(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One partial `(m, l, o)` of online-softmax partials over disjoint key sets (log-sum-exp merge)."""
+    m = torch.stack([p[0] for p in parts]).amax(0)
+    w = [torch.where(p[1] > 0, torch.exp(p[0] - m), torch.zeros_like(m)) for p in parts]
+    num = sum(wi * p[2] for wi, p in zip(w, parts, strict=True))
+    den = sum(wi * p[1] for wi, p in zip(w, parts, strict=True))
+    return m, den, num
+
+
+def _merge(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """Normalized output of online-softmax partials `(m, l, o)` over disjoint key sets."""
+    _, den, num = _merge_partials(parts)
+    return num / den.clamp_min(torch.finfo(torch.float32).tiny)
+
+
+def _exact_partial(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, visible: torch.Tensor, scale: float) -> tuple[torch.Tensor, ...]:
+    """Partial of `query (b, heads, r, d)` over exact `key, value (b, S, kv_heads, d)`, row i seeing `t < visible[:, i]`."""
+    group = query.shape[1] // key.shape[2]
+    k = key.float().transpose(1, 2).repeat_interleave(group, 1)  # (b, heads, S, d)
+    v = value.float().transpose(1, 2).repeat_interleave(group, 1)
+    s = (query.float() @ k.mT) * scale  # (b, heads, r, S)
+    t = torch.arange(key.shape[1], device=query.device)
+    m, denom, p = _partial(s.masked_fill(t[None, None, None, :] >= visible[:, None, :, None], float("-inf")))
+    return m, denom, p @ v
+
+
+def history_partial(fmt: PoolFormat, codecs: tuple[Codec, Codec], query: torch.Tensor, rows: torch.Tensor, visible: torch.Tensor,
+                    scale: float, sinks: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Attention partial of `query (b, heads, r, d)` over compressed rows `(b, kv_heads, T, row_bytes)`, query row i of
+    sequence s seeing tokens `t < visible[s, i]` (`visible (b, r)`). `sinks`: exact K, V `(b, S, kv_heads, d)` of each
+    sequence's first S tokens, read in place of their rows. Returns m, l `(b, heads, r, 1)`, o `(b, heads, r, d)` float32
+    (o unnormalized: Σ exp(s - m) v̂)."""
+    k, v = unpack_rows(fmt, rows)
+    s = codecs[0].scores(query, k) * scale  # (b, heads, r, T)
+    t = torch.arange(rows.shape[2], device=query.device)
+    first = 0 if sinks is None else sinks[0].shape[1]
+    hidden = (t[None, None, None, :] >= visible[:, None, :, None]) | (t < first)[None, None, None, :]
+    m, denom, p = _partial(s.masked_fill(hidden, float("-inf")))
+    part = (m, denom, codecs[1].weighted_sum(p, v))
+    if sinks is None:
+        return part
+    exact = _exact_partial(query, sinks[0], sinks[1], visible, scale)
+    return _merge_partials([part, exact])
+
+
+def chunk_partial(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, first: int = 0) -> tuple[torch.Tensor, ...]:
+    """Causal attention partial of `query (heads, r, d)`, rows `first..first + r - 1` of this step's tokens, over the
+    step's exact `key, value (kv_heads, first + r, d)`."""
+    group = query.shape[0] // key.shape[0]
+    k = key.float().repeat_interleave(group, 0)
+    v = value.float().repeat_interleave(group, 0)
+    s = (query.float() @ k.mT) * scale  # (heads, r, first + r)
+    causal = torch.arange(key.shape[1], device=query.device)[None, :] > first + torch.arange(query.shape[1], device=query.device)[:, None]
+    m, denom, p = _partial(s.masked_fill(causal, float("-inf")))
+    return m, denom, p @ v
+
+
+def paged_attention(fmt: PoolFormat, codecs: tuple[Codec, Codec], query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    pool: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
+                    scale: float, exact_chunk: bool = True, sinks: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """Causal attention of a batch of sequences over the pool, `(tokens, heads, d)` in the query's dtype.
+
+    query `(tokens, heads, d)`, key/value `(tokens, kv_heads, d)`: this step's tokens, sequence s's at rows
+    `query_start_loc[s]:query_start_loc[s + 1]`, already written to `pool` (`write_rows`); `seq_lens (b,)` each
+    sequence's length including them; `block_table (b, max_blocks)` its blocks. Sequences computing one token (decode)
+    are attended in one batched call, the others (prefill chunks) one at a time. `sinks`: exact K, V
+    `(b, S, kv_heads, d)` of each sequence's first S positions (those it has), attended in place of their rows.
+    """
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    out = torch.empty(query.shape, dtype=torch.float32, device=query.device)
+    decode = [s for s in range(len(lens)) if starts[s + 1] - starts[s] == 1]
+    if decode:
+        idx = torch.tensor([starts[s] for s in decode])
+        seen = torch.tensor([lens[s] - (1 if exact_chunk else 0) for s in decode])  # compressed tokens each one sees
+        rows = gather_rows(pool, block_table[decode], seen)
+        q = query[idx].unsqueeze(2)  # (b, heads, 1, d)
+        sink = None if sinks is None else (sinks[0][decode], sinks[1][decode])
+        parts = [history_partial(fmt, codecs, q, rows, seen[:, None], scale, sink)]
+        if exact_chunk:  # its own token, exact
+            group = query.shape[1] // key.shape[1]
+            kk = key[idx].float().repeat_interleave(group, 1)  # (b, heads, d)
+            own = (q[:, :, 0].float() * kk).sum(-1)[..., None, None] * scale  # (b, heads, 1, 1)
+            parts.append((own, torch.ones_like(own), value[idx].float().repeat_interleave(group, 1).unsqueeze(2)))
+        out[idx] = _merge(parts)[:, :, 0]
+    for s in range(len(lens)):
+        a, e = starts[s], starts[s + 1]
+        n = e - a
+        if n <= 1:
+            continue
+        before = lens[s] - n  # tokens computed in earlier steps
+        total = before + (0 if exact_chunk else n)
+        rows = gather_rows(pool, block_table[s : s + 1], torch.tensor([total])) if total else None
+        for c in range(0, n, ROW_CHUNK):
+            ce = min(c + ROW_CHUNK, n)
+            q = query[a + c : a + ce].transpose(0, 1)  # (heads, r, d)
+            parts = []
+            if rows is not None:
+                visible = torch.full((1, ce - c), before) if exact_chunk else before + torch.arange(c + 1, ce + 1)[None]
+                sink = None if sinks is None else (sinks[0][s : s + 1], sinks[1][s : s + 1])
+                parts.append(tuple(x[0] for x in history_partial(fmt, codecs, q.unsqueeze(0), rows, visible, scale, sink)))
+            if exact_chunk:
+                k = key[a : a + ce].transpose(0, 1)
+                v = value[a : a + ce].transpose(0, 1)
+                parts.append(chunk_partial(q, k, v, scale, first=c))
+            out[a + c : a + ce] = _merge(parts).transpose(0, 1)
+    return out.to(query.dtype)
