@@ -16,9 +16,11 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 # Tests left out of the fast loop, as node-id patterns (fnmatch). Besides the tests marked `slow` where they are
-# defined (those that load a real model), these each took seconds to minutes on 2 cores (`--durations`): a fresh
-# Python process importing torch and transformers, a peer's kernels compiled on first use, 40K-token segments,
-# property searches, coverage simulations, torch.library's opcheck over every op.
+# defined (those that load a real model), these were the longest of the suite on 2 cores (`--durations`, with
+# --junitxml for per-test sums): every method through a tiny model's generate in each mode, a fresh Python process
+# importing torch and transformers, a peer's kernels compiled on first use, 40K-token segments, property searches,
+# coverage simulations, torch.library's opcheck over every op. The fast loop keeps each codec's and kernel's unit
+# tests and the compressed attention against its reference; CI runs everything.
 SLOW = (
     "tests/test_cli.py::test_compare_writes_rows_and_plot",  # hf-quanto compiles its kernels on first use
     "tests/test_metrics.py::test_core_and_collect_need_no_prometheus_client",  # subprocess
@@ -30,8 +32,42 @@ SLOW = (
     "tests/test_eval_stats.py::test_95_interval_covers_the_true_ratio_about_95_percent_of_the_time*",
     "tests/test_eval_stats.py::test_block_bootstrap_keeps_coverage_on_autocorrelated_tokens_where_iid_loses_it",
     "tests/test_eval_stats.py::test_interval_shrinks_as_one_over_sqrt_tokens",
+    "tests/test_eval_stats.py::test_wilson_at_the_edges_and_against_scipy",
+    "tests/test_eval_stats.py::test_wilson_coverage_is_near_nominal_by_exact_binomial_sums",
     "tests/test_ops.py::test_opcheck*",
     "tests/test_ops.py::test_torch_compile_fullgraph",
+    "tests/test_readme.py::test_readme_and_docs_are_built_from_their_parts",  # subprocess; CI runs the build check too
+    "tests/test_bounded.py::test_chunked_scores_and_weighted_sums_equal_decode_then_matmul*",
+    "tests/test_codecs.py::test_qjl_unbiased_with_bounded_variance*",
+    "tests/test_codecs.py::test_turboquant_prod_unbiased_with_bounded_variance*",
+    "tests/test_cache.py::test_turning_mean_keys_decode_fused_and_through_ops_as_over_the_dequantized_cache*",
+    "tests/test_heads.py::test_every_attention_path_equals_attention_over_the_dequantized_cache*",
+    "tests/test_heads.py::test_the_decode_benchmark_runs_auto_methods_from_their_configs",
+    "tests/test_eval_perplexity.py::test_runner_rows_carry_the_interval_and_the_needle_summary_as_json",
+    "tests/test_eval_needle.py::test_grid_has_every_cell_kind_and_trial_with_distinct_needles_paired_across_runs",
+    "tests/test_tracker.py::test_adaptive_bench_moves_the_boundary_on_a_model_and_records_its_path",
+    "tests/test_auto.py::test_fisher_diagonal_is_the_exact_fisher_of_the_scored_tokens",
+    "tests/test_cli.py::test_eval_writes_table_and_json",
+    "tests/test_cli.py::test_demo_runs_and_summarizes",
+    "tests/test_cli.py::test_compare_saves_rows_after_every_method",
+    # Every method through a tiny model's generate, per mode: the cache against DynamicCache end to end.
+    "tests/test_padding.py::test_padded_row_matches_its_unbatched_run*",
+    "tests/test_serialize.py::test_round_trip_is_bit_exact_and_generation_continues_identically*",
+    "tests/test_serialize.py::test_round_trip_without_kvpack_attention*",
+    "tests/test_cache.py::test_lossless_methods_reproduce_dynamic_cache_greedy*",
+    "tests/test_cache.py::test_left_padded_batch_matches_dynamic_cache*",
+    "tests/test_cache.py::test_beam_search_matches_dynamic_cache*",
+    "tests/test_cache.py::test_sampling_matches_dynamic_cache_with_same_seed*",
+    "tests/test_cache.py::test_assisted_generation_crops_correctly",
+    "tests/test_cache.py::test_fused_decode_equals_reference_over_dequantized_cache*",
+    "tests/test_cache.py::test_device_decode_path_through_custom_ops*",
+    "tests/test_cache.py::test_shard_rank_comes_from_the_prompts_real_queries_under_kvpack_attention",
+    "tests/test_serve_blocks.py::test_turboquant_relative_mse_at_the_lloyd_max_distortion*",
+    "tests/test_serve_blocks.py::test_file_round_trip_adds_nothing_to_the_codecs_error*",
+    "tests/test_tiers.py::test_tokens_older_than_the_boundary_are_archived_in_whole_blocks*",
+    "tests/test_tiers.py::test_turboquant_tiers_demote_4_to_3_and_2_bits_with_little_extra_error",
+    "tests/test_triton_shard.py::test_segments_cover_the_layouts",
+    "tests/test_triton_kernels.py::test_trellis_encode*",
 )
 
 

@@ -98,3 +98,14 @@ def test_quick_start_compresses_and_prints_what_the_readme_shows(capsys):
     assert compressed and all(v > 0 for v in compressed.values()), report["segments"]
     assert report["ratio"] > 3, report
     assert _block(section, "text") in capsys.readouterr().out
+
+
+def test_every_pattern_of_the_slow_list_names_a_test_that_exists():
+    """The fast loop the README promises leaves out conftest.SLOW; a renamed test must not silently rejoin it."""
+    from conftest import SLOW
+
+    for pattern in SLOW:
+        path, _, name = pattern.partition("::")
+        assert (ROOT / path).exists(), pattern
+        name = re.split(r"[*\[]", name)[0]
+        assert not name or re.search(rf"^\s*def {re.escape(name)}\w*\(", (ROOT / path).read_text(), flags=re.M), pattern
