@@ -168,11 +168,18 @@ def test_cpu_dispatch_runs_the_cpp_kernel():
     args = op_args("layer-d64", 8)
     assert ops.implementation("pca_vq_attention", torch.device("cpu")) is ops._pca_vq_cpu
     keys = {n: args[n] for n in ("bitpos", "bits", "qmax", "basis_t", "mean", "inv_freq", "rope_scale")} | {"row_bytes": args["k_codes"].shape[-1]}
-    kernel = cpu_lut.pca_vq_attention(args["q"], args["pos0"], keys, args["k_codes"], {"books": args["books"], "bits": args["v_bits"]},
-                                      args["v_idx"], args["v_norm"], args["scale"])
-    out = ops.pca_vq_attention(**args)
-    for a, e in zip(out, kernel, strict=True):
+
+    def kernel(integer):
+        return cpu_lut.pca_vq_attention(args["q"], args["pos0"], keys | {"int8": integer}, args["k_codes"],
+                                        {"books": args["books"], "bits": args["v_bits"]}, args["v_idx"], args["v_norm"], args["scale"])
+
+    out = ops.pca_vq_attention(**args)  # without the basis' integer form: the float rebuild
+    for a, e in zip(out, kernel(None), strict=True):
         assert torch.equal(a, e)
+    integer = cpu_lut.int8_basis(args["basis_t"], args["mean"], args["qmax"])
+    if integer is not None:  # with it (a VNNI CPU): the integer rebuild, and no float basis needed
+        for a, e in zip(ops.pca_vq_attention(**args | {"basis_t": torch.empty(0)}, **integer), kernel(integer), strict=True):
+            assert torch.equal(a, e)
     assert_partial_close(out, reference.pca_vq_attention(**args), rtol=1e-4)
     bias = make_bias(B, 1, T)
     for extra in ({"bias": bias}, {"softcap": 4.0}):

@@ -134,9 +134,9 @@ def _segmented(layer: KVPackLayer, query: torch.Tensor, mask, scaling: float, so
 def fused_decode(layer: KVPackLayer, query: torch.Tensor, scaling: float) -> torch.Tensor | None:
     """A one-token decode step with no mask: one kernel call per part, through the kernel table (`kernels.table`).
 
-    The parts are the exact rows (sinks, window, anchors) and each segment; a segment's entry calls its op, which
-    torch dispatches by device (C++ on CPU, Triton on CUDA, the torch reference otherwise); a segment whose codecs
-    have no entry takes its codecs' `scores` / `weighted_sum`. Returns `(b, q_heads, 1, d_v)` float32, or None when
+    The parts are the exact rows (sinks, window, anchors) and each segment; a segment's entry calls its op, whose
+    kernel for the query's device runs (C++ on CPU, Triton on CUDA, the torch reference otherwise); a segment whose
+    codecs have no entry takes its codecs' `scores` / `weighted_sum`. Returns `(b, q_heads, 1, d_v)` float32, or None when
     the step does not qualify (longer queries need causal masking inside the window; padded batches carry a mask).
     """
     b, hq, lq, _ = query.shape
