@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import warnings
 
 import torch
@@ -17,6 +18,10 @@ from .tracker import QualityTracker
 # Architectures whose attention modules were verified to call `past_key_values.update` with
 # post-RoPE keys and dispatch through AttentionInterface (transformers 5.x).
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "gemma2", "phi3", "olmo2", "smollm3", "granite")
+
+# Makes "is this cache free? then it is mine" one step across threads (held for a few attribute reads, never while
+# computing). A module lock rather than one per cache: a cache must stay deep-copyable and picklable.
+_CLAIM = threading.Lock()
 
 
 def _text_config(model_or_config):
@@ -60,16 +65,32 @@ def _watch_attention_mask(model) -> None:
         # A forward that broke off between a layer's update and its attention left that layer waiting; a new
         # forward starts clean, or its first untagged attention (another cache) would be refused.
         PENDING.layer = None
-        # transformers >= 5.24 passes the cache as `cache` (`past_key_values` is deprecated); earlier 5.x as `past_key_values`.
-        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        cache = _cache_argument(kwargs)
         if isinstance(cache, KVCache):
-            cache.begin_forward()  # before the model reads get_seq_length() for its positions
-            cache.observe_attention_mask(kwargs.get("attention_mask"))
-            cache.observe_input_ids(kwargs.get("input_ids", args[0] if args else None))
+            claimed = cache.claim()  # this thread's until the forward returns: another thread's forward through it is refused
+            try:
+                cache.begin_forward()  # before the model reads get_seq_length() for its positions
+                cache.observe_attention_mask(kwargs.get("attention_mask"))
+                cache.observe_input_ids(kwargs.get("input_ids", args[0] if args else None))
+            except BaseException:
+                if claimed:
+                    cache.release()
+                raise
         return None
 
+    def release(_module, _args, kwargs, _output):
+        cache = _cache_argument(kwargs)
+        if isinstance(cache, KVCache):
+            cache.release()
+
     model.register_forward_pre_hook(hook, with_kwargs=True)
+    model.register_forward_hook(release, with_kwargs=True, always_call=True)
     model._kvpack_mask_hook = True
+
+
+def _cache_argument(kwargs: dict):
+    # transformers >= 5.24 passes the cache as `cache` (`past_key_values` is deprecated); earlier 5.x as `past_key_values`.
+    return kwargs.get("cache", kwargs.get("past_key_values"))
 
 
 def _on_cpu(model) -> bool:
@@ -292,16 +313,45 @@ class KVCache(Cache):
         A forward that broke off between layers (an exception in the model between two updates) leaves
         layers of different lengths: the next forward finds them and rolls that forward back first.
         """
-        if layer_idx <= self._last_layer:
-            self.begin_forward()
-        self._last_layer = layer_idx
-        layer = self.layers[layer_idx]
-        self._journal.append((layer, layer.snapshot() if isinstance(layer, KVPackLayer) else dict(vars(layer))))
+        claimed = self.claim()  # outside a model forward (no hook claimed it): this thread's for the update only
         try:
-            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
-        except Exception:
-            self._rollback()
-            raise
+            if layer_idx <= self._last_layer:
+                self.begin_forward()
+            self._last_layer = layer_idx
+            layer = self.layers[layer_idx]
+            self._journal.append((layer, layer.snapshot() if isinstance(layer, KVPackLayer) else dict(vars(layer))))
+            try:
+                return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+            except Exception:
+                self._rollback()
+                raise
+        finally:
+            if claimed:
+                self.release()
+
+    def claim(self) -> bool:
+        """Make this cache the calling thread's; True if it was free (the caller releases it), False if already this
+        thread's. Raises RuntimeError while another thread holds it: two threads interleaving their layers' updates
+        would corrupt both sequences without an error."""
+        me = threading.get_ident()
+        with _CLAIM:
+            owner = self.__dict__.get("_owner")
+            if owner == me:
+                return False
+            if owner is not None:
+                raise RuntimeError(
+                    "this KVCache is in use by another thread (a forward or update is running there): a cache holds one "
+                    "sequence and cannot be shared by concurrent generations. Give each thread its own KVCache "
+                    "(the model itself can be shared)."
+                )
+            self._owner = me
+            return True
+
+    def release(self) -> None:
+        """End the calling thread's hold on this cache (a no-op where another thread holds it)."""
+        with _CLAIM:
+            if self.__dict__.get("_owner") == threading.get_ident():
+                self._owner = None
 
     def begin_forward(self) -> None:
         """Start a new forward's journal, first rolling back a forward that broke off between layers."""
