@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import warnings
 
@@ -10,7 +11,7 @@ from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
 
 from .. import kernels
 from ..primitives.validation import DEBUG
-from ..registry import DEFAULT_METHOD, MethodConfig, apply_suffixes, get_method, split_suffixes
+from ..registry import DEFAULT_METHOD, CodecSpec, MethodConfig, apply_suffixes, get_method, split_suffixes
 from .budget import BudgetEvent, LayerShare, MemoryBudget, PromptTarget, rematerialize
 from .layer import PENDING, KVPackLayer, deepcopy_sharing
 from .tracker import QualityTracker
@@ -136,6 +137,27 @@ def _check_codecs(method: MethodConfig, text, model_type: str) -> None:
             )
 
 
+def _without_positions(method: MethodConfig) -> MethodConfig | None:
+    """`method` with its position-reading options off (TurboQuant's `rope_center`: keys centered on the plain mean),
+    for a model whose rotary embedding kvpack cannot read; None when a codec has no position-free form (Shard's
+    un-RoPEd PCA keys, KVQuant's pre-RoPE keys)."""
+
+    def plain(spec: CodecSpec | None) -> CodecSpec | None:
+        if spec is None or not spec.uses_positions:
+            return spec
+        if spec.codec == "turboquant":
+            return CodecSpec(spec.codec, {**spec.options, "rope_center": False})
+        raise LookupError(spec.codec)
+
+    try:
+        tiers = tuple(dataclasses.replace(t, key=plain(t.key), value=plain(t.value)) for t in method.tiers)
+        layers = tuple(dataclasses.replace(e, key=plain(e.key), value=plain(e.value)) for e in method.layer_codecs)
+        sides = {a: plain(getattr(method, a)) for a in ("key", "value", "prefill_key", "prefill_value")}
+    except LookupError:
+        return None
+    return dataclasses.replace(method, tiers=tiers, layer_codecs=layers, **sides)
+
+
 def _rope_per_layer(model, kinds: list[tuple[str, int | None]]) -> list[tuple[torch.Tensor, float] | None]:
     """(inv_freq, attention_scaling) of each layer, read from the model's rotary modules."""
     if model is None or not hasattr(model, "modules"):
@@ -217,6 +239,18 @@ class KVCache(Cache):
         needs_rope = _uses_positions(self.method)
         # From a config, the rotary module the model itself would build from it: the same inv_freq and scaling.
         ropes = _rope_per_layer(model if model is not None else (_rotary_from_config(text) if needs_rope else None), kinds)
+        unread = [i for i, (kind, _) in enumerate(kinds) if kind == "full_attention" and ropes[i] is None]
+        fallback = _without_positions(self.method) if needs_rope and unread else None
+        if fallback is not None:  # e.g. GPT-J's partial rotary inside its attention module: keep the method, minus positions
+            warnings.warn(
+                f"{type(model).__name__ if model is not None else model_type!r} gives no rotary module kvpack can read (layer "
+                f"{unread[0]} first), so method {self.method.name!r} runs without its position terms: TurboQuant keys are "
+                "centered on their plain mean instead of the mean RoPE turns ('+ropemean' off), which loses some accuracy "
+                "where keys carry a large constant part",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            self.method, needs_rope = fallback, False
         layers = []
         for idx, (kind, window) in enumerate(kinds):
             if kind in ("sliding_attention", "chunked_attention"):
