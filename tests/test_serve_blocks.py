@@ -10,6 +10,7 @@ import json
 import math
 import os
 import struct
+import threading
 
 import pytest
 import safetensors.torch
@@ -241,3 +242,116 @@ def test_missing_codes_refused():
     del tensors["L1.v.codes"]
     with pytest.raises(blocks.BlockMismatch, match="codes"):
         blocks.decode_kv(tensors, meta, "int8")
+
+
+# -- damaged, half-written and concurrent files; eviction --------------------------------------------------------
+def _tensor_span(path) -> tuple[int, int]:
+    data = path.read_bytes()
+    return 8 + int.from_bytes(data[:8], "little"), len(data)
+
+
+def test_every_flipped_tensor_byte_is_detected(tmp_path):
+    """A byte of tensor data changed anywhere (codes, scales, exact sinks) fails the checksum: never decoded."""
+    k, v = kv(tokens=40, head_dim=64)
+    path = tmp_path / "b.safetensors"
+    blocks.save_kv(path, k, v, "int8")
+    data = path.read_bytes()
+    first, end = _tensor_span(path)
+    gen = torch.Generator().manual_seed(0)
+    for pos in [first, end - 1, *torch.randint(first, end, (40,), generator=gen).tolist()]:
+        damaged = bytearray(data)
+        damaged[pos] ^= 0x10
+        path.write_bytes(bytes(damaged))
+        with pytest.raises(blocks.BlockMismatch, match="checksum"):
+            blocks.load_kv(path, "int8")
+
+
+def test_edited_metadata_is_detected(tmp_path):
+    """A metadata value changed consistently enough for safetensors (same length) fails the checksum too."""
+    k, v = kv(tokens=40, head_dim=64)
+    path = tmp_path / "b.safetensors"
+    blocks.save_kv(path, k, v, "int8", start=128)
+    data = path.read_bytes()
+    path.write_bytes(data.replace(b'"start":"128"', b'"start":"192"', 1))
+    assert path.read_bytes() != data
+    with pytest.raises(blocks.BlockMismatch, match="checksum"):
+        blocks.load_kv(path, "int8")
+
+
+@pytest.mark.parametrize("keep", [0.0, 0.3, 0.9, 0.999])
+def test_truncated_or_half_written_file_is_refused(tmp_path, keep):
+    k, v = kv(tokens=40, head_dim=64)
+    path = tmp_path / "b.safetensors"
+    blocks.save_kv(path, k, v, "turboquant:k3v2")
+    data = path.read_bytes()
+    path.write_bytes(data[: int(len(data) * keep)])
+    with pytest.raises(blocks.BlockMismatch):
+        blocks.load_kv(path, "turboquant:k3v2")
+
+
+def test_file_without_checksum_is_refused(tmp_path):
+    """A file written without the checksum (by hand, or an older writer) is not trusted."""
+    k, v = kv(tokens=40, head_dim=64)
+    tensors, meta = blocks.encode_kv(k, v, "int8")
+    path = tmp_path / "b.safetensors"
+    safetensors.torch.save_file(tensors, str(path), metadata=meta)
+    with pytest.raises(blocks.BlockMismatch, match="checksum"):
+        blocks.load_kv(path, "int8")
+
+
+def test_two_writers_of_one_prefix_never_leave_a_corrupt_file(tmp_path):
+    """Two threads write different encodings of one key 20 times each while a third reads it: every read is one of the
+    two whole files, and no temporary is left."""
+    path = tmp_path / "b.safetensors"
+    pairs = [kv(tokens=48, head_dim=64, seed=s) for s in (1, 2)]
+    blocks.save_kv(path, *pairs[0], "int8")
+    expected = [blocks.decode_kv(*blocks.encode_kv(*p, "int8"), "int8")[0] for p in pairs]
+    done, seen, errors = threading.Event(), [], []
+
+    def write(pair):
+        try:
+            for _ in range(20):
+                blocks.save_kv(path, *pair, "int8")
+        except BaseException as err:
+            errors.append(err)
+
+    def read():
+        while not done.is_set():
+            try:
+                seen.append(blocks.load_kv(path, "int8")[0])
+            except BaseException as err:
+                errors.append(err)
+
+    writers = [threading.Thread(target=write, args=(p,)) for p in pairs]
+    reader = threading.Thread(target=read)
+    reader.start()
+    for t in writers:
+        t.start()
+    for t in writers:
+        t.join(timeout=120)
+    done.set()
+    reader.join(timeout=120)
+    assert not errors, errors[:3]
+    assert seen and all(any(torch.equal(s, e) for e in expected) for s in seen)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b.safetensors"]
+
+
+def test_evict_keeps_the_most_recently_used_within_the_limit(tmp_path):
+    k, v = kv(tokens=16, head_dim=64)
+    paths = [tmp_path / f"{i}.safetensors" for i in range(5)]
+    for i, p in enumerate(paths):
+        blocks.save_kv(p, k, v, "int8")
+        os.utime(p, (1_000 + i, 1_000 + i))  # written in order 0..4
+    blocks.load_kv(paths[0], "int8")  # used again: now the most recent
+    size = paths[0].stat().st_size
+    stale = tmp_path / ".9.safetensors.123.abc.tmp"  # a writer that died
+    stale.write_bytes(b"partial")
+    os.utime(stale, (1_000, 1_000))
+    fresh = tmp_path / ".8.safetensors.456.def.tmp"  # a writer still at work
+    fresh.write_bytes(b"partial")
+    removed = blocks.evict(tmp_path, 2 * size)
+    assert sorted(p.name for p in removed) == sorted([stale.name, "1.safetensors", "2.safetensors", "3.safetensors"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([fresh.name, "0.safetensors", "4.safetensors"])
+    assert blocks.evict(tmp_path, 10 * size) == []
+    with pytest.raises(ValueError, match="max_bytes"):
+        blocks.evict(tmp_path, -1)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import threading
 import warnings
 from collections.abc import Sequence
 
@@ -11,7 +13,7 @@ from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
 from .. import kernels
 from ..allocator import auto_method
 from ..primitives.validation import DEBUG
-from ..registry import DEFAULT_METHOD, MethodConfig, apply_suffixes, get_method, split_suffixes
+from ..registry import DEFAULT_METHOD, CodecSpec, MethodConfig, apply_suffixes, get_method, split_suffixes
 from ..support import layer_kinds, rope_per_layer, rotary_from_config, text_config
 from . import serialize
 from .budget import BudgetEvent, LayerShare, MemoryBudget, PromptTarget, rematerialize
@@ -23,6 +25,10 @@ from .tracker import QualityTracker
 # Architectures whose attention modules were verified to call `past_key_values.update` with
 # post-RoPE keys and dispatch through AttentionInterface (transformers 5.x).
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "gemma2", "phi3", "olmo2", "smollm3", "granite")
+
+# Makes "is this cache free? then it is mine" one step across threads (held for a few attribute reads, never while
+# computing). A module lock rather than one per cache: a cache must stay deep-copyable and picklable.
+_CLAIM = threading.Lock()
 
 
 def left_padding(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -43,16 +49,32 @@ def _watch_attention_mask(model) -> None:
         # A forward that broke off between a layer's update and its attention left that layer waiting; a new
         # forward starts clean, or its first untagged attention (another cache) would be refused.
         PENDING.layer = None
-        # transformers >= 5.24 passes the cache as `cache` (`past_key_values` is deprecated); earlier 5.x as `past_key_values`.
-        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        cache = _cache_argument(kwargs)
         if isinstance(cache, KVCache):
-            cache.begin_forward()  # before the model reads get_seq_length() for its positions
-            cache.observe_attention_mask(kwargs.get("attention_mask"))
-            cache.observe_input_ids(kwargs.get("input_ids", args[0] if args else None))
+            claimed = cache.claim()  # this thread's until the forward returns: another thread's forward through it is refused
+            try:
+                cache.begin_forward()  # before the model reads get_seq_length() for its positions
+                cache.observe_attention_mask(kwargs.get("attention_mask"))
+                cache.observe_input_ids(kwargs.get("input_ids", args[0] if args else None))
+            except BaseException:
+                if claimed:
+                    cache.release()
+                raise
         return None
 
+    def release(_module, _args, kwargs, _output):
+        cache = _cache_argument(kwargs)
+        if isinstance(cache, KVCache):
+            cache.release()
+
     model.register_forward_pre_hook(hook, with_kwargs=True)
+    model.register_forward_hook(release, with_kwargs=True, always_call=True)
     model._kvpack_mask_hook = True
+
+
+def _cache_argument(kwargs: dict):
+    # transformers >= 5.24 passes the cache as `cache` (`past_key_values` is deprecated); earlier 5.x as `past_key_values`.
+    return kwargs.get("cache", kwargs.get("past_key_values"))
 
 
 def _on_cpu(model) -> bool:
@@ -94,6 +116,27 @@ def _check_codecs(method: MethodConfig, text, model_type: str) -> None:
                 f"method {method.name!r}: anchors need a codec that codes each token on its own, and {spec.codec!r} codes groups "
                 f"of {codec.token_multiple} tokens together; drop '@anchors=' or use a per-token method such as 'turboquant:k3v2'"
             )
+
+
+def _without_positions(method: MethodConfig) -> MethodConfig | None:
+    """`method` with its position-reading options off (TurboQuant's `rope_center`: keys centered on the plain mean),
+    for a model whose rotary embedding kvpack cannot read; None when a codec has no position-free form (Shard's
+    un-RoPEd PCA keys, KVQuant's pre-RoPE keys)."""
+
+    def plain(spec: CodecSpec | None) -> CodecSpec | None:
+        if spec is None or not spec.uses_positions:
+            return spec
+        if spec.codec == "turboquant":
+            return CodecSpec(spec.codec, {**spec.options, "rope_center": False})
+        raise LookupError(spec.codec)
+
+    try:
+        tiers = tuple(dataclasses.replace(t, key=plain(t.key), value=plain(t.value)) for t in method.tiers)
+        layers = tuple(dataclasses.replace(e, key=plain(e.key), value=plain(e.value)) for e in method.layer_codecs)
+        sides = {a: plain(getattr(method, a)) for a in ("key", "value", "prefill_key", "prefill_value")}
+    except LookupError:
+        return None
+    return dataclasses.replace(method, tiers=tiers, layer_codecs=layers, **sides)
 
 
 @serialize.register_cache_type
@@ -139,6 +182,18 @@ class KVCache(Cache):
         needs_rope = _uses_positions(self.method)
         # From a config, the rotary module the model itself would build from it: the same inv_freq and scaling.
         ropes = rope_per_layer(model if model is not None else (rotary_from_config(text) if needs_rope else None), kinds)
+        unread = [i for i, (kind, _) in enumerate(kinds) if kind == "full_attention" and ropes[i] is None]
+        fallback = _without_positions(self.method) if needs_rope and unread else None
+        if fallback is not None:  # e.g. GPT-J's partial rotary inside its attention module: keep the method, minus positions
+            warnings.warn(
+                f"{type(model).__name__ if model is not None else model_type!r} gives no rotary module kvpack can read (layer "
+                f"{unread[0]} first), so method {self.method.name!r} runs without its position terms: TurboQuant keys are "
+                "centered on their plain mean instead of the mean RoPE turns ('+ropemean' off), which loses some accuracy "
+                "where keys carry a large constant part",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            self.method, needs_rope = fallback, False
         layers = []
         for idx, (kind, window) in enumerate(kinds):
             if kind in ("sliding_attention", "chunked_attention"):
@@ -237,16 +292,45 @@ class KVCache(Cache):
         A forward that broke off between layers (an exception in the model between two updates) leaves
         layers of different lengths: the next forward finds them and rolls that forward back first.
         """
-        if layer_idx <= self._last_layer:
-            self.begin_forward()
-        self._last_layer = layer_idx
-        layer = self.layers[layer_idx]
-        self._journal.append((layer, layer.snapshot() if isinstance(layer, KVPackLayer) else dict(vars(layer))))
+        claimed = self.claim()  # outside a model forward (no hook claimed it): this thread's for the update only
         try:
-            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
-        except Exception:
-            self._rollback()
-            raise
+            if layer_idx <= self._last_layer:
+                self.begin_forward()
+            self._last_layer = layer_idx
+            layer = self.layers[layer_idx]
+            self._journal.append((layer, layer.snapshot() if isinstance(layer, KVPackLayer) else dict(vars(layer))))
+            try:
+                return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+            except Exception:
+                self._rollback()
+                raise
+        finally:
+            if claimed:
+                self.release()
+
+    def claim(self) -> bool:
+        """Make this cache the calling thread's; True if it was free (the caller releases it), False if already this
+        thread's. Raises RuntimeError while another thread holds it: two threads interleaving their layers' updates
+        would corrupt both sequences without an error."""
+        me = threading.get_ident()
+        with _CLAIM:
+            owner = self.__dict__.get("_owner")
+            if owner == me:
+                return False
+            if owner is not None:
+                raise RuntimeError(
+                    "this KVCache is in use by another thread (a forward or update is running there): a cache holds one "
+                    "sequence and cannot be shared by concurrent generations. Give each thread its own KVCache "
+                    "(the model itself can be shared)."
+                )
+            self._owner = me
+            return True
+
+    def release(self) -> None:
+        """End the calling thread's hold on this cache (a no-op where another thread holds it)."""
+        with _CLAIM:
+            if self.__dict__.get("_owner") == threading.get_ident():
+                self._owner = None
 
     def begin_forward(self) -> None:
         """Start a new forward's journal, first rolling back a forward that broke off between layers."""

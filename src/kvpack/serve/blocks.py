@@ -10,19 +10,24 @@ this block (TurboQuant's mean and channel scales, VQ codebooks), whose fitted st
 file, so a file decodes on its own.
 
 Files are safetensors (tensors plus string metadata, no pickle), written to a temporary name and
-moved into place with `os.replace`, so a reader sees a whole file or none. Reading checks the format,
-the method (name and codec options) and any expected shape, and refuses a mismatch with
-`BlockMismatch` rather than decoding codes with the wrong codecs.
+moved into place with `os.replace`, so a reader sees a whole file or none, and concurrent writers of one
+key each leave a whole file. Each file (one chunk) carries a sha256 over its metadata and tensor bytes
+(`CHECKSUM`). Reading checks the format, the method (name and codec options) and any expected shape,
+then the checksum, and refuses a mismatch or a damaged, truncated or half-written file with
+`BlockMismatch` rather than decoding it. `evict` keeps a directory of chunks within a size limit, least
+recently used first, and removes temporaries that crashed writers left.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
 import math
 import os
 import struct
+import time
 import typing
 import uuid
 from collections.abc import Mapping, Sequence
@@ -38,6 +43,8 @@ from ..registry import EXACT_DTYPES, CodecSpec, MethodConfig, get_method
 FORMAT = "kvpack-blocks/1"
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 SHAPE_FIELDS = ("layers", "tokens", "kv_heads", "head_dim", "start")
+CHECKSUM = "sha256"  # metadata key: sha256 over the other metadata entries and every tensor's name, dtype, shape and bytes
+STALE_TEMPORARY_SECONDS = 3600  # a writer's temporary older than this belongs to a writer that died; `evict` removes it
 
 
 class BlockMismatch(ValueError):
@@ -262,12 +269,24 @@ def decode_kv(
     return out["k"], out["v"]
 
 
+def checksum(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> str:
+    """sha256 over `metadata` (all but `CHECKSUM`, sorted) and every tensor's name, dtype, shape and bytes, in name order."""
+    digest = hashlib.sha256(json.dumps(sorted((k, v) for k, v in metadata.items() if k != CHECKSUM)).encode())
+    for name in sorted(tensors):
+        t = tensors[name].detach().cpu().contiguous()
+        digest.update(json.dumps([name, str(t.dtype), list(t.shape)]).encode())
+        digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
 def write_atomic(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> int:
     """Write a safetensors file at `path` via a temporary file and `os.replace`; returns its size in bytes.
 
-    Concurrent writers of one key each replace the file whole; a failure leaves no file (and no temporary).
+    The metadata gains `CHECKSUM`. Concurrent writers of one key each replace the file whole; a failure leaves no
+    file (and no temporary).
     """
     path = Path(path)
+    metadata = {**metadata, CHECKSUM: checksum(tensors, metadata)}
     data = safetensors.torch.save(dict(tensors), metadata=dict(metadata))
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
     try:
@@ -311,8 +330,9 @@ def load_kv(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Read and decode a file written by `save_kv`.
 
-    `BlockMismatch` if it holds another method or shape, or is damaged beyond safetensors' own checks
-    (header, tensor sizes); a missing file raises `FileNotFoundError`. Tensor bytes carry no checksum.
+    `BlockMismatch` if it holds another method or shape, or its checksum does not match (a damaged, truncated or
+    half-written file: recompute the chunk); a missing file raises `FileNotFoundError`. A file that loads has its
+    modification time renewed, so `evict` removes the least recently used first.
     """
     try:
         with safetensors.safe_open(str(path), framework="pt") as f:
@@ -321,4 +341,38 @@ def load_kv(
             tensors = {name: f.get_tensor(name) for name in f.keys()}
     except safetensors.SafetensorError as err:
         raise BlockMismatch(f"{path} is not a readable safetensors file: {err}") from err
-    return decode_kv(tensors, metadata, method, expect)
+    if metadata.get(CHECKSUM) != checksum(tensors, metadata):
+        raise BlockMismatch(f"{path} is damaged (its {CHECKSUM} checksum does not match its contents): recompute the chunk")
+    out = decode_kv(tensors, metadata, method, expect)
+    with contextlib.suppress(OSError):  # another process may have evicted it meanwhile; the K/V are read
+        os.utime(path)
+    return out
+
+
+def evict(directory: str | os.PathLike, max_bytes: int, pattern: str = "*.safetensors") -> list[Path]:
+    """Remove the least recently used chunk files (`pattern`, oldest modification time first) until those left in
+    `directory` take at most `max_bytes`, and writers' temporaries older than `STALE_TEMPORARY_SECONDS`; returns what
+    was removed. Safe beside readers and writers: a reader of a removed file gets `FileNotFoundError` (a miss)."""
+    if max_bytes < 0:
+        raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
+    directory, removed = Path(directory), []
+    now = time.time()
+    for tmp in directory.glob(".*.tmp"):
+        with contextlib.suppress(OSError):
+            if now - tmp.stat().st_mtime > STALE_TEMPORARY_SECONDS:
+                tmp.unlink()
+                removed.append(tmp)
+    files = []
+    for f in directory.glob(pattern):
+        with contextlib.suppress(OSError):  # removed meanwhile
+            st = f.stat()
+            files.append((st.st_mtime, f.name, st.st_size, f))
+    total = sum(size for _, _, size, _ in files)
+    for _, _, size, f in sorted(files):
+        if total <= max_bytes:
+            break
+        with contextlib.suppress(FileNotFoundError):
+            f.unlink()
+            removed.append(f)
+        total -= size
+    return removed

@@ -92,9 +92,9 @@ class KVPackConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config
-        unknown = sorted(set(extra) - {"path", "method", "chunk_tokens", "log_file"})
+        unknown = sorted(set(extra) - {"path", "method", "chunk_tokens", "log_file", "max_bytes"})
         if unknown:
-            raise ValueError(f"KVPackConnector has no option {unknown}; options: path, method, chunk_tokens, log_file")
+            raise ValueError(f"KVPackConnector has no option {unknown}; options: path, method, chunk_tokens, log_file, max_bytes")
         if "path" not in extra:
             raise ValueError('KVPackConnector needs kv_connector_extra_config {"path": DIRECTORY}')
         parallel = vllm_config.parallel_config
@@ -114,6 +114,7 @@ class KVPackConnector(KVConnectorBase_V1):
         self.path = Path(extra["path"])
         self.path.mkdir(parents=True, exist_ok=True)
         self.log_file = extra.get("log_file")
+        self.max_bytes = None if extra.get("max_bytes") is None else int(extra["max_bytes"])  # chunk files kept (LRU, `blocks.evict`)
         model = vllm_config.model_config
         self.head_dim = model.get_head_size()
         self._check_method(model.get_num_kv_heads(parallel))
@@ -299,6 +300,8 @@ class KVPackConnector(KVConnectorBase_V1):
             try:
                 k, v = blocks.load_kv(self._file(key), self.method, expect=self._expect(c, kv_heads))
             except (OSError, blocks.BlockMismatch) as err:  # missing (removed meanwhile), foreign or damaged file
+                if isinstance(err, blocks.BlockMismatch):  # never loaded again: the recomputed chunk is saved in its place
+                    self._file(key).unlink(missing_ok=True)
                 logger.warning("KVPackConnector: chunk %d of request %s not loaded (%s); vLLM recomputes it", c, t.req_id, err)
                 lost = torch.cat([slots, t.slots[j + 1 :].flatten()])  # this chunk's tokens to load and every later chunk
                 self._failed_blocks.update((lost // self.block_size).unique().tolist())
@@ -346,6 +349,8 @@ class KVPackConnector(KVConnectorBase_V1):
                     logger.warning("KVPackConnector: chunk %d of request %s not saved: %s", c, t.req_id, err)
                     continue
                 self._log(op="save", key=key, chunk=c, tokens=self.chunk_tokens, bytes=size, seconds=time.perf_counter() - began)
+        if self.max_bytes is not None and meta.saves:
+            blocks.evict(self.path, self.max_bytes)
 
     def _extra(self, kv_heads: int) -> dict[str, str]:
         expect = self._expect(0, kv_heads)
