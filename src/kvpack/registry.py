@@ -305,13 +305,6 @@ def _int8(arg: str) -> MethodConfig:
     return MethodConfig("int8", spec, spec)
 
 
-@method("int4")
-def _int4(arg: str) -> MethodConfig:
-    _no_options("int4", arg)
-    spec = CodecSpec("int4")
-    return MethodConfig("int4", spec, spec)
-
-
 @method("turboquant", "k4v4", "k3v3", "k3v2", "k3v3+qjl", "k3v2+ropemean")
 def _turboquant(arg: str) -> MethodConfig:
     match = re.fullmatch(r"k([1-4])v([1-4])(\+qjl)?(\+ropemean)?(\+tcq[kv]?)?", arg or "k3v2")
@@ -509,6 +502,14 @@ def _auto(arg: str) -> MethodConfig:
 
 # Registered by hand, not with `@method`: list_methods() is the test matrix, and it has no calibration profile.
 METHODS["auto"] = _auto
+
+
+@method("int4")
+def _int4(arg: str) -> MethodConfig:
+    _no_options("int4", arg)
+    spec = CodecSpec("int4")
+    return MethodConfig("int4", spec, spec)
+
 
 # The default: TurboQuant 3-bit keys and 2-bit values, keys centered on their un-RoPEd mean turned to each token's
 # position on the RoPE pairs where that gains (`+ropemean`: a QKV bias or massive channel, constant before RoPE, turns
