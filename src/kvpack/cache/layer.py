@@ -571,11 +571,6 @@ class KVPackLayer(CacheLayerMixin):
         return m.key if side == "key" else m.value
 
     # -- reading -------------------------------------------------------------------------------
-    def positions_of(self, index: torch.Tensor) -> torch.Tensor:
-        """RoPE positions `(batch, n)` of logical tokens `index (n,)`."""
-        idx = index.to(self.device).unsqueeze(0).expand(self.batch, -1)
-        return idx if self.pos_offset is None else idx + self.pos_offset.unsqueeze(1)
-
     def positions(self, start: int, count: int) -> torch.Tensor:
         """RoPE positions `(batch, count)` of logical tokens [start, start + count)."""
         idx = torch.arange(start, start + count, device=self.device).unsqueeze(0).expand(self.batch, -1)
