@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 
 import kvpack
@@ -41,6 +42,7 @@ def _in_threads(fns) -> list:
     return results
 
 
+@pytest.mark.slow  # loads the real model, as the suite's other real-model tests
 def test_two_threads_with_their_own_caches_generate_what_each_generates_alone(eval_smollm2):
     """SmolLM2, the default method, two news prompts past sinks + window + a block (so both caches compress), greedy,
     kvpack attention on."""
