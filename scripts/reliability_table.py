@@ -28,6 +28,10 @@ CLASSES = [
     ("Property-based sequences (hypothesis, `ci` profile)", "test_properties.py", r".", "lengths equal to DynamicLayer's; read-back within the codecs' own error"),
     ("Long run: 10,000 decode steps", "test_long_run.py", r".", "memory linear, O(1) copies per token, RSS flat"),
     ("CLI misuse", "test_cli.py", r".", "exit code 2 and one line naming the argument, before any work"),
+    ("Extreme magnitudes, 1e-8 to 1e30 (every method, fp32 / bf16 / fp16)", "test_extremes.py", r".", "finite K/V and attention, or a refusal before anything is stored"),
+    ("Saved caches under a fuzzer (truncations, flips, header edits, huge claims, another model)", "test_fuzz_saved.py", r".", "CacheFileError naming the problem; no crash, hang or huge allocation"),
+    ("Threads (own caches on one model; one cache shared)", "test_threads.py", r".", "the same tokens as alone; a RuntimeError for a shared cache"),
+    ("Models whose rotary embedding kvpack cannot read (GPT-J)", "test_rope_fallback.py", r".", "one warning naming what is lost; methods without a position-free form refuse"),
 ]
 
 

@@ -2,7 +2,7 @@
 
 KL of the shorter (left-padded) row's logits against its exact logits (uncompressed, unbatched), over the prefill's
 last position and `STEPS` teacher-forced steps: once in the batch, once alone, with the same method; the ratio is
-batch / alone (1.0: padding costs nothing). Usage: `python scripts/padded_row_ratio.py [METHOD ...]`.
+batch / alone (1.0: padding costs nothing). Usage: `python experiments/padded_row_ratio.py [METHOD ...]`.
 """
 
 from __future__ import annotations
