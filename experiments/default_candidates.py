@@ -9,7 +9,7 @@ base seed N instead of 0, to see how much one draw of the random rotation moves 
 `candidate:kXvY-wN` is `turboquant:kXvY` with an exact window of N tokens instead of 64. `candidate:kXvq` is the default's key codec at X bits (centered, channel-scaled TurboQuant) with Shard's
 value codec (Hadamard + k-means VQ on groups of 4 channels, 8-bit indices, per-token RMS: 2.25 bits per
 value, as TurboQuant's 2-bit values). One codec pair serves the prompt and the stream; VQ fits on its
-first block. The measurements and the decision are in docs/decisions.md.
+first block. The measurements and the decision are in docs/notes/decisions.md.
 """
 
 from __future__ import annotations

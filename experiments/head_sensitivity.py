@@ -18,7 +18,7 @@ predictions, as the Fisher mode splits a measured total over layers. Then:
   each. Their ratio is what per-head widths would buy under the profile's own additive model.
 
 `--write-profile PATH` also writes the profile with its key shares taken from the measured 2-bit key probes, to run
-`auto:<target>/head` on measured rather than predicted splits (docs/auto.md).
+`auto:<target>/head` on measured rather than predicted splits (docs/notes/auto.md).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ window exact, as the methods store them) does to the layer's own output for the 
 
 (the attention output's change after the output projection, relative to the residual stream entering the layer), and
 ranks it against the calibrated profile's downstream KL for the same (layer, side, bits) with Spearman's rho. A
-run-time allocation would need rho near 1; docs/auto.md records what it is.
+run-time allocation would need rho near 1; docs/notes/auto.md records what it is.
 """
 
 from __future__ import annotations

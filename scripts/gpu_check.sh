@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# kvpack's GPU checks in one pass (docs/gpu.md): the Triton kernel tests compiled for the GPU, decode attention
+# kvpack's GPU checks in one pass (docs/guide/gpu.md): the Triton kernel tests compiled for the GPU, decode attention
 # against SDPA over bf16 K/V, and end-to-end greedy decode against DynamicCache at batch 1 and 32.
 #
 #   bash scripts/gpu_check.sh [MODEL]    # MODEL: a registry name (default qwen2.5-0.5b) or a model directory

@@ -1,5 +1,5 @@
 """Where a GPU decode step's time goes: kernel time (CUDA) against wall time, for one attention call and one
-model step, kvpack against the uncompressed baseline (docs/gpu.md).
+model step, kvpack against the uncompressed baseline (docs/guide/gpu.md).
 
     python scripts/gpu_profile.py --config-dir .gpu/qwen2.5-0.5b --out bench/results/gpu/profile.json
 

@@ -1,5 +1,5 @@
 """Kernel-only times of the Triton decode-attention kernels under other tile sizes, warps and dot precisions,
-against SDPA over bf16 K/V at the same shape (docs/gpu.md): which knob a GPU's time follows. The "old" variant is
+against SDPA over bf16 K/V at the same shape (docs/guide/gpu.md): which knob a GPU's time follows. The "old" variant is
 the kernels as first measured (float32 dots at tf32x3, codes unpacked one by one), timed in the same process.
 
     python scripts/gpu_sweep.py --out bench/results/gpu/sweep.json

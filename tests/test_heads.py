@@ -143,7 +143,7 @@ def test_every_attention_path_equals_attention_over_the_dequantized_cache(monkey
     for backend in ["torch", *(["triton"] if ops.triton_available() else [])]:
         monkeypatch.setattr(ops, "_override", ops.Backend(backend))
         out = attention.fused_decode(layer, q, scale)
-        atol = 1e-3 if backend == "triton" else 2e-4  # Triton's q.k takes fp16 operands (docs/gpu.md)
+        atol = 1e-3 if backend == "triton" else 2e-4  # Triton's q.k takes fp16 operands (docs/guide/gpu.md)
         torch.testing.assert_close(out, ref, atol=atol, rtol=1e-3, msg=lambda m, backend=backend: f"{backend}: {m}")
         assert all(table.segment_partial(g, seg, scale, attention._first_position(layer, seg)) is not None for seg in layer.segments)
 

@@ -247,7 +247,7 @@ def test_pca_rank_from_queries_is_the_smallest_within_the_score_error(tau):
 
 
 def test_pca_rank_from_queries_keeps_what_key_energy_drops():
-    """Key variance alone drops the weak direction the queries read (Qwen2.5's failure, docs/shard.md)."""
+    """Key variance alone drops the weak direction the queries read (Qwen2.5's failure, docs/notes/shard.md)."""
     keys, positions, queries = _keys_with_a_weak_direction_queries_read()
     by_energy = PCAKeyCodec(PCAConfig(group_size=4), D, KV)
     by_queries = PCAKeyCodec(PCAConfig(group_size=4), D, KV)

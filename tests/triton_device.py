@@ -2,7 +2,7 @@
 
 By default (and in CI) on CPU tensors under Triton's interpreter. With `KVPACK_TEST_DEVICE=cuda` the same
 tests run the kernels compiled for a GPU: inputs are moved to it, outputs come back to the CPU, and every
-comparison is made there against the same pure-torch references (docs/gpu.md).
+comparison is made there against the same pure-torch references (docs/guide/gpu.md).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ about that KL, so a perplexity target t (ppl_method / ppl_base <= 1 + t) becomes
 
 Each (layer, side) then takes the width minimizing the cache's real bytes per token within that budget: an exact
 multiple-choice knapsack, a dynamic program over integer block bytes (read from an encoded block, norms
-included). docs/auto.md measures how well the assumption holds on the evaluation text.
+included). docs/notes/auto.md measures how well the assumption holds on the evaluation text.
 
 Widths per kv head (`auto:<target>/head`). Every record also carries `head_shares`: each kv head's part of the Fisher's
 prediction for its (layer, side, width) (`_head_raw`, the same E[g^2] * delta^2 summed over one head's elements; the probe

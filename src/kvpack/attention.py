@@ -149,7 +149,7 @@ def fused_decode(layer: KVPackLayer, query: torch.Tensor, scaling: float) -> tor
         exact.append((anchors.KIND, a.k, a.v))
     if layer.tracker is None and len(exact) > 1 and query.device.type != "cpu":
         # One partial over all exact rows (a few hundred at most): on a GPU each partial is ~9 kernel launches
-        # and a batch-1 decode step is bound by launches (docs/gpu.md), so two copies beat two partials.
+        # and a batch-1 decode step is bound by launches (docs/guide/gpu.md), so two copies beat two partials.
         exact = [("exact", torch.cat([k for _, k, _ in exact], 2), torch.cat([v for _, _, v in exact], 2))]
     parts = [table.exact_partial(q, k, v, scaling) for _, k, v in exact]
     kinds = [kind for kind, _, _ in exact]

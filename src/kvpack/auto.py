@@ -16,7 +16,7 @@ The fisher mode (`CalibrationConfig(mode="fisher")`, `_fisher_sensitivity`) repl
 `draws` backward passes that estimate the Fisher diagonal of the scored tokens w.r.t. the cached K/V
 (`fisher_diagonal`), which predicts every probe to second order, one key probe per layer at the narrowest width
 that corrects each layer's predictions, and one measured forward per (side, width) that fixes their total: about
-8x faster (docs/auto.md).
+8x faster (docs/notes/auto.md).
 
 The allocation that reads the profiles is `kvpack.allocator` (the cache uses it for `auto:<target>` names; its
 names are also importable from here).

@@ -186,7 +186,7 @@ class MethodConfig:
     def with_seed(self, seed: int) -> MethodConfig:
         """Another draw of this method: every codec that draws at random (rotations, sketches, k-means starts)
         seeded from base `seed` instead of its default, named `name@seed=N`. At 3 bits one draw moves a
-        perplexity delta by up to ~1.7 points (docs/evaluation.md, "One draw of the rotation")."""
+        perplexity delta by up to ~1.7 points (docs/guide/evaluation.md, "One draw of the rotation")."""
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
             raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
         if not any(_has_seed(s) for s in self.specs()):
@@ -205,7 +205,7 @@ class MethodConfig:
     def with_anchors(self, fraction: float) -> MethodConfig:
         """This method with `fraction` of its compressed tokens also kept exact (the most attended ones),
         named `name@anchors=P%`. Half a percent (about ten tokens of 2K) cut turboquant:k3v2's perplexity loss by
-        40-60% on SmolLM2 and Gemma-3 at 2K for 2.8% more bytes (docs/decisions.md)."""
+        40-60% on SmolLM2 and Gemma-3 at 2K for 2.8% more bytes (docs/notes/decisions.md)."""
         changed = replace(self, anchors=fraction)  # validates
         return replace(changed, name=f"{self.name}{ANCHORS_SUFFIX}{_percent(fraction)}")
 
@@ -317,9 +317,9 @@ def _turboquant(arg: str) -> MethodConfig:
     # RMS^0.5 per channel (Qwen2's outlier channels; full RMS scaling cost SmolLM2 +1.7% at 3 bits,
     # alpha 0.5 +0.7%), values are centered only. '+ropemean' centers keys on their mean taken before RoPE, rotated
     # back to each token's position (TurboQuantConfig.rope_center): RoPE turns a constant key component into one that
-    # turns with position, which a post-RoPE mean cannot remove (docs/decisions.md).
+    # turns with position, which a post-RoPE mean cannot remove (docs/notes/decisions.md).
     # '+tcq' codes both sides with a bitshift trellis (TurboQuantConfig.trellis) of L = the first multiple of the width
-    # >= 8 state bits (256-4096 states): below the scalar optimum at 0.05-0.2 more bits per value (docs/codecs.md).
+    # >= 8 state bits (256-4096 states): below the scalar optimum at 0.05-0.2 more bits per value (docs/guide/methods.md).
     # '+tcqk' / '+tcqv' code one side so.
     sides = {"+tcq": "kv", "+tcqk": "k", "+tcqv": "v"}.get(match[5] or "", "")
 
@@ -368,7 +368,7 @@ def _shard(arg: str) -> MethodConfig:
     TurboQuant pair), vqN the value codebook's entries
     (256 by default: 2 bits per value; `vq64`, 1.5 bits), eN the key rank: the smallest
     that keeps the relative score error of the prompt's queries within N% (3 by default; `e1` holds Gemma-3's few
-    global layers within +1%, docs/shard.md), Rx a byte target: each layer's value codebook is the largest (up to
+    global layers within +1%, docs/notes/shard.md), Rx a byte target: each layer's value codebook is the largest (up to
     vqN's) that keeps the layer R times smaller than fp16 once the prompt is encoded (`shard:10x`)."""
     # k3v2: the default's TurboQuant pair, so tokens generated after the prompt stay at >= 5x too; k4v2 its 4-bit keys.
     tq, tq4 = get_method("turboquant:k3v2"), get_method("turboquant:k4v2")
@@ -516,7 +516,7 @@ def _int4(arg: str) -> MethodConfig:
 # with position after it), the 0.5% most-attended compressed tokens kept exact (anchors), and a 32-token exact window.
 # Over five rotation draws at 2K it loses +1.5% (SmolLM2) and +1.2% (Gemma-3) perplexity at 5.12x, where
 # turboquant:k3v2 (window 64, no anchors, post-RoPE mean) loses +2.7% and +2.9% at 4.96x; next-token KL falls 4-6% at 2K
-# and 21% at 8K against the same method without `+ropemean` (docs/decisions.md, "Choosing the default").
+# and 21% at 8K against the same method without `+ropemean` (docs/notes/decisions.md, "Choosing the default").
 DEFAULT_METHOD = "turboquant:k3v2+ropemean@anchors=0.5%@window=32"
 
 

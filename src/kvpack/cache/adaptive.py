@@ -295,7 +295,7 @@ class AdaptiveArchive:
     already failed. Each move restarts the boundary search. The floor only rises, so the rung settles after at
     most 2 x len(rungs) moves. Stepping down is off by default: in a growing conversation the target is met
     easily while the archive is small, and blocks archived coarsely then stay coarse when the context grows
-    (measured on SmolLM2: +3.3% perplexity with it, docs/tiers.md); use it where the context is stable.
+    (measured on SmolLM2: +3.3% perplexity with it, docs/guide/tiers.md); use it where the context is stable.
     """
 
     def __init__(self, boundary: AdaptiveThresholds, rungs: tuple[tuple[int, int], ...], start: int, step_down: bool = False):

@@ -2,7 +2,7 @@
 
 Besides the first tokens (the sinks), a few tokens in the middle of a prompt draw much of the
 attention, and an unlucky code on one of them is most of what one rotation draw loses and another
-does not (docs/decisions.md). At the prompt's flush the layer ranks its compressed tokens by the
+does not (docs/notes/decisions.md). At the prompt's flush the layer ranks its compressed tokens by the
 attention its last queries paid them (`primitives.attention_mass`) and keeps the top
 `MethodConfig.anchors` fraction in the exact dtype; each later flush does the same for its block with
 the queries of the forward that flushes it (a chunk's, or a decode step's), so a long generation or a

@@ -423,7 +423,7 @@ class KVCache(Cache):
         """Write the compressed cache to `path` (safetensors, atomic); `compress=True` adds zstd (`kvpack[store]`).
 
         token_ids: the tokens the cache holds, kept in the header (`kvpack.cache.serialize.read_header`).
-        Returns bytes on disk and in memory and the seconds taken. Format: docs/storage.md.
+        Returns bytes on disk and in memory and the seconds taken. Format: docs/guide/storage.md.
         """
         return serialize.save_cache(self, path, token_ids=token_ids, compress=compress)
 

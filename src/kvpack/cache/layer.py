@@ -48,7 +48,7 @@ def _warn_dequantizing(layer_idx: int) -> None:
 
 
 # Prompt queries kept for a codec fit that measures attention scores: 128 rows x all heads is a
-# few hundred KB at most, and enough to rank a basis (docs/shard.md).
+# few hundred KB at most, and enough to rank a basis (docs/notes/shard.md).
 FIT_QUERIES = 128
 
 

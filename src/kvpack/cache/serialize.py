@@ -46,7 +46,7 @@ __all__ = ["FORMAT_VERSION", "CacheFileError", "MissingCacheFileError", "load_ca
 
 FORMAT = "kvpack-cache"
 FORMAT_VERSION = 1
-# zstd level of `compress=True`. On a 2K-token Shard cache of SmolLM2 (docs/storage.md) levels 3 / 10 / 19 gave
+# zstd level of `compress=True`. On a 2K-token Shard cache of SmolLM2 (docs/guide/storage.md) levels 3 / 10 / 19 gave
 # 6.10 / 6.10 / 6.07 MB (from 6.94) in 0.5 / 1.1 / 6.9 s of compression: 3 is as small, and fast.
 ZSTD_LEVEL = 3
 # Bytes of whole channel streams per zstd block in the "channels" layout: each block gets its own Huffman table.

@@ -1,7 +1,7 @@
 """Widths per kv head: each group of a layer's kv heads stored by its own codec (`auto`'s per-head allocation).
 
 A layer's kv heads do not matter alike: in SmolLM2's layer 18 one of three heads carries 99% of what its
-2-bit keys cost (docs/auto.md, "Widths per kv head"). `HeadsCodec` holds a partition of the kv heads into
+2-bit keys cost (docs/notes/auto.md, "Widths per kv head"). `HeadsCodec` holds a partition of the kv heads into
 groups, each with an inner codec (`fp16`, `int8` or `turboquant` at some width) built for that group's head
 count, and delegates everything to them head group by head group. Attention heads are independent, so
 scores and weighted sums split along heads exactly: no partial softmax crosses a group, and the fused

@@ -72,7 +72,7 @@ class TurboQuantConfig:
     trellis: L, the state bits of a bitshift trellis-coded quantizer (`primitives.trellis`) in place of the scalar
         Lloyd-Max codes (0, the default): each head's rotated coordinates become one Viterbi-searched bit string,
         0.54-0.68x the scalar error at `bits` + (L - bits)/d bits per value, or at `bits` with the tail-biting path a
-        cache stores (docs/codecs.md). No fused kernel reads it
+        cache stores (docs/guide/methods.md). No fused kernel reads it
         yet: attention runs the torch paths, and encoding is a Viterbi search (exploratory).
     channel_scale: α in [0, 1]; divide each channel by RMS^α of its fitted values (tied across
         RoPE pairs i, i + d/2, which RoPE mixes) before rotating; 0 disables. A rotation makes the error isotropic, so without it
@@ -381,7 +381,7 @@ class TurboQuantCodec(UnRopedKeys, Codec):
         """Off the CPU (or with `KVPACK_BACKEND=triton` on CPU tensors, Triton's interpreter) an MSE-only codec with a
         randomized Hadamard encodes through the `kvpack::tq_encode` op: on CUDA one Triton kernel centers, scales,
         rotates, searches the codebook and packs, where the torch ops below take a dozen launches and float copies
-        of the block (a batch-32 block flush was the GPU's p99 step, docs/gpu.md). None where it does not apply."""
+        of the block (a batch-32 block flush was the GPU's p99 step, docs/guide/gpu.md). None where it does not apply."""
         if self.config.qjl or self.codebook is None or self._trellis_book is not None:
             return None
         if x.device.type == "cpu" and ops.get_backend() is not ops.Backend.TRITON:

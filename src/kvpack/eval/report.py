@@ -42,7 +42,7 @@ COLUMNS: list[tuple[str, Callable[[dict], str], str | None]] = [
     ("prefill tok/s", _number("prefill_tok_s", "{:,.0f}"), None),
     ("decode tok/s", _number("decode_tok_s", "{:.1f}"), None),
     # No speed ratio here: these methods were timed one after another, not interleaved step by step, so machine
-    # noise between them would read as a speed difference (ratios: `python -m kvpack.bench.decode`, docs/speed.md).
+    # noise between them would read as a speed difference (ratios: `python -m kvpack.bench.decode`, docs/notes/speed.md).
 ]
 
 

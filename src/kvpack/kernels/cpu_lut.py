@@ -482,7 +482,7 @@ SERIAL_MAX_MACS = 1 << 21
 def _serial(x: torch.Tensor, macs: int) -> bool:
     """Whether a per-head product over `x` runs in C++ on the calling thread: small, float32, on the CPU, kernels built.
     A torch matmul opens a parallel region per call, and under load each one waited for a preempted thread (two per
-    layer step cost the default half its speed on a busy machine, docs/speed.md)."""
+    layer step cost the default half its speed on a busy machine, docs/notes/speed.md)."""
     return macs <= SERIAL_MAX_MACS and x.device.type == "cpu" and x.dtype == torch.float32 and available()
 
 

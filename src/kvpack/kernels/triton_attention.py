@@ -11,7 +11,7 @@ global memory. With more than one split, `_merge_kernel` combines the split part
 Launchers accept CUDA tensors, or CPU tensors when the kernels run under Triton's interpreter
 (`TRITON_INTERPRET=1` set before `triton` is first imported, as the tests do).
 Block sizes and split counts: first choices, except the tiles and centroid lookup that `_Plan` picks by head dim
-for TurboQuant and int8, chosen from H200 sweeps (docs/gpu.md).
+for TurboQuant and int8, chosen from H200 sweeps (docs/guide/gpu.md).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def _unpack_groups(row_ptrs, groups, mask, BITS: tl.constexpr, BLOCK_T: tl.const
 
     Eight b-bit codes fill exactly b bytes, so a group is b byte loads and eight shifts: b/8 loads per code
     instead of the one or two of `_unpack`, and the address arithmetic is per group, not per code. Loads and
-    address math were what bounded the per-code version on an H200 (docs/gpu.md). Needs d % 8 == 0."""
+    address math were what bounded the per-code version on an H200 (docs/guide/gpu.md). Needs d % 8 == 0."""
     word = tl.zeros([BLOCK_T, BLOCK_G], tl.int64 if BITS > 4 else tl.int32)
     for i in tl.static_range(BITS):
         byte = tl.load(row_ptrs + groups * BITS + i, mask=mask, other=0)
@@ -85,7 +85,7 @@ def _windows_groups(row_ptrs, groups, mask, BITS: tl.constexpr, STATE: tl.conste
     """`_windows` by 8-channel groups (`_unpack_groups`' layout; needs C % 8 == 0 and STATE - BITS <= 8): a group's
     windows lie in its BITS bytes and the byte before them (the row's last byte for group 0: the string is circular
     and whole bytes long), so BITS + 1 loads and eight shifts give eight windows. The per-channel form's STATE / BITS
-    symbol reads per channel were what made trellis tiles 2-3x the scalar ones on an H200 (docs/gpu.md)."""
+    symbol reads per channel were what made trellis tiles 2-3x the scalar ones on an H200 (docs/guide/gpu.md)."""
     prev = tl.where(groups == 0, NBYTES - 1, groups * BITS - 1)
     word = tl.load(row_ptrs + prev, mask=mask, other=0).to(tl.int64)
     for i in tl.static_range(BITS):
@@ -490,7 +490,7 @@ class _Plan:
         self.block_t = 64 if width <= 128 else 32
         # TurboQuant's centroids: gathered from the table, or by a chain of selects over values in registers.
         self.select = False
-        # Chosen from H200 sweeps (bench/results/gpu/sweep-fp16.json, sweep-d64.json; docs/gpu.md), by head dim:
+        # Chosen from H200 sweeps (bench/results/gpu/sweep-fp16.json, sweep-d64.json; docs/guide/gpu.md), by head dim:
         # TurboQuant and int8 at 65-128 dims take 128-token tiles (2.5x less time than 64 for TurboQuant at batch 1
         # and 32; int8 about even); TurboQuant at 33-64 dims the select chain with 128-token tiles (1.7x less than
         # the gather with 64-token tiles at batch 32, twice confirmed; the select chain was 1.5x slower at 128 dims).

@@ -1,7 +1,7 @@
 """Attention mass each key receives from a sample of queries: which prompt tokens the model reads most.
 
 Pure torch, stateless. Used to choose a prompt's anchors (kvpack/cache/anchors.py): the few tokens
-that draw much of the attention, whose unlucky codes move perplexity most (docs/decisions.md).
+that draw much of the attention, whose unlucky codes move perplexity most (docs/notes/decisions.md).
 """
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ def d2_picks(x: torch.Tensor, first: torch.Tensor, u: torch.Tensor) -> torch.Ten
     `u[:, i] * total` -> `(G, k)` long. A group whose points all coincide with its seeds draws uniformly (`u * N`).
 
     Each draw inverts the cumulative weights (a cumsum and a binary search): the distribution of
-    `torch.multinomial`, which cost ~0.7 ms per draw over 32K points (docs/speed.md)."""
+    `torch.multinomial`, which cost ~0.7 ms per draw over 32K points (docs/notes/speed.md)."""
     groups, n, _ = x.shape
     rows = torch.arange(groups)
     picks = [first]

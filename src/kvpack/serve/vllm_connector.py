@@ -58,7 +58,7 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 
-DEFAULT_METHOD = "int8"  # greedy text equal to the run without a connector on SmolLM2 (docs/serving.md)
+DEFAULT_METHOD = "int8"  # greedy text equal to the run without a connector on SmolLM2 (docs/guide/serving.md)
 
 
 @dataclass
