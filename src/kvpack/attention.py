@@ -147,9 +147,10 @@ def fused_decode(layer: KVPackLayer, query: torch.Tensor, scaling: float) -> tor
     exact = [(kind, k, v) for kind, k, v in (("sink", layer.sink_k, layer.sink_v), ("window", layer.win_k, layer.win_v)) if k.shape[2]]
     if a is not None:  # their exact rows, in place of the codes their segment leaves out (`skip`)
         exact.append((anchors.KIND, a.k, a.v))
-    if layer.tracker is None and len(exact) > 1 and query.device.type != "cpu":
-        # One partial over all exact rows (a few hundred at most): on a GPU each partial is ~9 kernel launches
-        # and a batch-1 decode step is bound by launches (docs/guide/gpu.md), so two copies beat two partials.
+    if layer.tracker is None and len(exact) > 1:
+        # One partial over all exact rows (a few hundred at most): on a GPU each partial is ~9 kernel launches and a
+        # batch-1 decode step is bound by launches (docs/guide/gpu.md); on CPU a partial's call costs ~12 us, two small
+        # copies ~6 us. The adaptive boundary (`tracker`) reads each part's mass, so it keeps them apart.
         exact = [("exact", torch.cat([k for _, k, _ in exact], 2), torch.cat([v for _, _, v in exact], 2))]
     parts = [table.exact_partial(q, k, v, scaling) for _, k, v in exact]
     kinds = [kind for kind, _, _ in exact]

@@ -460,11 +460,19 @@ class TurboQuantCodec(UnRopedKeys, Codec):
 
     def _signs_times_scale(self, device: torch.device) -> torch.Tensor:
         """`(kv, d)` Hadamard signs times the channel scale σ (or the signs alone): the pre-factor of the query's map and
-        the post-factor of the output's. One small product per call rather than a cached copy: the bytes a cache holds
-        are what `memory_report` counts."""
+        the post-factor of the output's. Held per device while the signs and scale are the same tensors (a refit or
+        `load_state_dict` assigns new ones): a decode step reads it twice per layer, and the product cost ~5 us each
+        time. `state_nbytes` counts it (kv·d floats)."""
         signs = self._hadamard_signs(device)[:, 0]
         scale = self._scale(device)
-        return signs if scale is None else signs * scale[0, :, 0]
+        if scale is None:
+            return signs
+        key = (device, id(self.scale), id(self._signs_vec))
+        held = self.__dict__.get("_premaps", {}).get(key)
+        if held is None or held[0] is not self.scale or held[1] is not self._signs_vec:
+            held = (self.scale, self._signs_vec, signs * scale[0, :, 0])
+            self._premaps = {key: held}  # one device at a time: a codec serves its layer's device
+        return held[2]
 
     def kernel_query(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Grouped query `(b, kv, rows, d)` -> (Π(q⊙σ) for the codes, q·μ `(b, kv, rows, 1)` or None). For decode rows on

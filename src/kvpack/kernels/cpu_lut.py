@@ -538,7 +538,7 @@ def phasor_table(inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freq = inv_freq.detach().double().cpu().contiguous()
         phase = freq[:, None] * torch.arange(TURN_TILE, dtype=torch.float64)
         key = id(inv_freq)
-        hit = _PHASORS[key] = (weakref.ref(inv_freq, lambda _, key=key: _PHASORS.pop(key, None)), freq,
+        hit = _PHASORS[key] = (weakref.ref(inv_freq, lambda _, key=key, held=_PHASORS: held.pop(key, None)), freq,
                                torch.stack((phase.cos(), phase.sin()), dim=1).float().contiguous())
     return hit[1], hit[2]
 

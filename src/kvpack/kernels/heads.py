@@ -5,21 +5,10 @@ Heads attend independently, so the groups' partials, scattered back to their kv 
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
-
 import torch
 
 from . import table
-from .table import Kernel, Partial, Request, register
-
-
-class GroupSegment(NamedTuple):
-    """One head group of a segment: what a group's entry reads."""
-
-    key_codec: Any
-    value_codec: Any
-    keys: Any
-    values: Any
+from .table import Kernel, Partial, Request, SegmentData, register
 
 
 def heads_partial(q: torch.Tensor, seg, req: Request) -> Partial | None:
@@ -31,7 +20,7 @@ def heads_partial(q: torch.Tensor, seg, req: Request) -> Partial | None:
     out: list[torch.Tensor] = []
     for g, (ks, vs, kp, vp) in enumerate(zip(kc.inner, vc.inner, kc.split(seg.keys), vc.split(seg.values), strict=True)):
         idx = kc.heads_of(g, q.device)
-        part = table.segment_partial(q.index_select(1, idx), GroupSegment(ks, vs, kp, vp), req.scale, req.first_position, req.skip)
+        part = table.segment_partial(q.index_select(1, idx), SegmentData(ks, vs, kp, vp), req.scale, req.first_position, req.skip)
         if part is None:
             return None
         out = out or [t.new_empty(t.shape[0], q.shape[1], *t.shape[2:]) for t in part]

@@ -254,8 +254,9 @@ def _tq_cpu(q_rot, k_codes, k_norm, k_centroids, k_bits, v_codes, v_norm, v_cent
         return reference.tq_attention(q_rot, k_codes, k_norm, k_centroids, k_bits, v_codes, v_norm, v_centroids, v_bits, d, scale,
                                       row_offset, bias, softcap, *turning, skip)
     turn = None
-    if turn_q is not None or turn_pair is not None:
-        reference.check_turning(q_rot, *turning)
+    if reference.turning_given(*turning):
+        if VALIDATE:  # the C++ side checks their shapes too; the cache's own calls skip the Python pass (~20 us)
+            reference.check_turning(q_rot, *turning)
         freq, table = cpu_lut.phasor_table(turn_freq)
         turn = (turn_q, turn_pair, turn_mu, freq, table, turn_pos0)
     return cpu_lut.tq_attention(q_rot, row_offset, k_codes, k_norm, k_centroids, k_bits, v_codes, v_norm, v_centroids, v_bits, scale,

@@ -89,13 +89,18 @@ def _check_bits(name: str, bits: int, allowed: tuple[int, ...]) -> None:
         raise ValueError(f"{name} must be one of {allowed}, got {bits!r}")
 
 
-def check_turning(q_rot: torch.Tensor, turn_q, turn_pair, turn_mu, turn_freq, turn_pos0) -> None:
-    """The turning-mean tensors of `tq_attention`: all five or none."""
-    given = [t is not None for t in (turn_q, turn_pair, turn_mu, turn_freq, turn_pos0)]
-    if not any(given):
-        return
-    if not all(given):
+def turning_given(*turning: torch.Tensor | None) -> bool:
+    """Whether `tq_attention`'s five turning-mean tensors are given; ValueError when only some are."""
+    given = [t is not None for t in turning]
+    if any(given) and not all(given):
         raise ValueError("turn_q, turn_pair, turn_mu, turn_freq and turn_pos0 go together: pass all five or none")
+    return given[0]
+
+
+def check_turning(q_rot: torch.Tensor, turn_q, turn_pair, turn_mu, turn_freq, turn_pos0) -> None:
+    """The turning-mean tensors of `tq_attention`: all five or none, with the query's shapes."""
+    if not turning_given(turn_q, turn_pair, turn_mu, turn_freq, turn_pos0):
+        return
     b, h, r, d = q_rot.shape
     if d % 2:
         raise ValueError(f"turning means need an even head dim (RoPE pairs), got {d}")

@@ -88,21 +88,38 @@ def lookup(key_codec, value_codec) -> Kernel | None:
     return None if key is None or value is None else KERNELS.get((key, value))
 
 
+class SegmentData(NamedTuple):
+    """What an entry reads of a segment: its codecs and its live `Packed` keys and values (resolved once per call:
+    a cache segment builds its views on access)."""
+
+    key_codec: Any
+    value_codec: Any
+    keys: Any
+    values: Any
+
+
 def segment_partial(q: torch.Tensor, seg, scale: float, first_position: Callable[[], torch.Tensor] | None = None,
                     skip: torch.Tensor | None = None) -> Partial | None:
     """One segment's partial through its entry (see `Request` for the arguments); None without one, or when the
     segment's per-token norms or scales are not float16 (the form every kernel reads)."""
     kernel = lookup(seg.key_codec, seg.value_codec)
-    if kernel is None or not fp16_meta(seg):
+    if kernel is None:
         return None
-    return kernel.partial(q, seg, Request(scale, first_position, skip))
+    data = seg if isinstance(seg, SegmentData) else SegmentData(seg.key_codec, seg.value_codec, seg.keys, seg.values)
+    if not fp16_meta(data):
+        return None
+    return kernel.partial(q, data, Request(scale, first_position, skip))
 
 
 def fp16_meta(seg) -> bool:
     """Whether a segment's per-token norms and scales are float16. A block whose norms passed float16's range keeps float32
     ones (`codecs.base.storable`); its segment then runs its codecs' torch paths, which read either."""
-    return all(getattr(p, name, None) is None or getattr(p, name).dtype == torch.float16
-               for p in (seg.keys, seg.values) for name in ("norm", "scale", "zero"))
+    for packed in (seg.keys, seg.values):
+        for name in ("norm", "scale", "zero"):
+            t = getattr(packed, name, None)
+            if t is not None and t.dtype != torch.float16:
+                return False
+    return True
 
 
 class ExactRows(NamedTuple):
