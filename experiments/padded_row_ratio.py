@@ -2,24 +2,29 @@
 
 KL of the shorter (left-padded) row's logits against its exact logits (uncompressed, unbatched), over the prefill's
 last position and `STEPS` teacher-forced steps: once in the batch, once alone, with the same method; the ratio is
-batch / alone (1.0: padding costs nothing). Usage: `python experiments/padded_row_ratio.py [METHOD ...]`.
+batch / alone (1.0: padding costs nothing). A method that draws rotations or seeds runs at `@seed=0,1,2` and the
+ratio is the mean batch KL over the mean alone KL, with each draw's ratio beside it: one draw's KL moves by more than
+the padding does. Usage: `python experiments/padded_row_ratio.py [METHOD ...]`; the rows go to
+`bench/results/padded-row-ratio-smollm2-135m.json`.
 """
 
 from __future__ import annotations
 
-import platform
+import json
 import sys
 import time
+from pathlib import Path
 
 import torch
 from transformers import DynamicCache
 
 import kvpack
+from kvpack.bench.env import environment
 from kvpack.models import load_model
-from kvpack.registry import DEFAULT_METHOD
+from kvpack.registry import DEFAULT_METHOD, get_method
 from kvpack.text import load_text
 
-LONG, SHORT, STEPS = 320, 192, 8
+LONG, SHORT, STEPS, DRAWS = 320, 192, 16, 3
 METHODS = [DEFAULT_METHOD, "turboquant:k3v2", "shard", "kivi:2", "int8"]
 
 
@@ -53,18 +58,35 @@ def main(methods: list[str]) -> None:
     ids[1, LONG - SHORT :], mask[1, LONG - SHORT :] = b, 1
     alone_ids, alone_mask = ids[1:, LONG - SHORT :], mask[1:, LONG - SHORT :]
     exact = run(model, alone_ids, alone_mask, DynamicCache(), cont[1:])[0]
-    print(f"# {' '.join(sys.argv)} | {platform.processor() or platform.machine()} | torch {torch.__version__}, kvpack {kvpack.__version__}")
+    env = environment("python experiments/padded_row_ratio.py", methods)
+    print(f"# {env['command']} | {env['cpu']} | torch {env['torch']}, kvpack {env['kvpack']} at {env['git_sha']}")
+    rows = []
     print(f"# SmolLM2-135M fp32, rows of {LONG} and {SHORT} news tokens (the second left-padded by {LONG - SHORT}), {STEPS} steps")
     for enabled in (True, False):
         (kvpack.enable if enabled else kvpack.disable)(model)
         for m in methods:
             start = time.perf_counter()
-            batch = run(model, ids, mask, kvpack.KVCache(model, m), cont)[1]
-            alone = run(model, alone_ids, alone_mask, kvpack.KVCache(model, m), cont[1:])[0]
-            kb, ka = kl(exact, batch), kl(exact, alone)
-            print(f"enable={enabled!s:5} {m:48s} KL batch {kb:.3e} alone {ka:.3e} ratio {kb / ka:.2f} ({time.perf_counter() - start:.0f} s)",
-                  flush=True)
+            draws = [m]
+            try:
+                draws = [get_method(m).with_seed(seed).name for seed in range(DRAWS)]
+            except ValueError:  # draws nothing at random: one run is every run
+                pass
+            kls = []
+            for name in draws:
+                batch = run(model, ids, mask, kvpack.KVCache(model, name), cont)[1]
+                alone = run(model, alone_ids, alone_mask, kvpack.KVCache(model, name), cont[1:])[0]
+                kls.append((kl(exact, batch), kl(exact, alone)))
+            kb, ka = (sum(x[i] for x in kls) / len(kls) for i in (0, 1))
+            each = " ".join(f"{b / a:.2f}" for b, a in kls)
+            rows.append({"method": m, "enabled": enabled, "kl_batch": kb, "kl_alone": ka, "ratio": kb / ka,
+                         "draws": [{"method": n, "kl_batch": b, "kl_alone": a, "ratio": b / a} for n, (b, a) in zip(draws, kls, strict=True)]})
+            print(f"enable={enabled!s:5} {m:48s} KL batch {kb:.3e} alone {ka:.3e} ratio {kb / ka:.2f} (draws: {each}) "
+                  f"({time.perf_counter() - start:.0f} s)", flush=True)
     kvpack.disable(model)
+    setup = {"model": "smollm2-135m", "dtype": "float32", "text": "news", "long": LONG, "short": SHORT, "steps": STEPS, "draws": DRAWS}
+    path = Path("bench/results/padded-row-ratio-smollm2-135m.json")
+    path.write_text(json.dumps({"environment": env, "setup": setup, "rows": rows}, indent=1) + "\n")
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

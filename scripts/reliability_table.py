@@ -1,20 +1,43 @@
-"""Run the reliability tests and write the table of docs/guide/reliability.md (case class, cases, passed, what a user sees).
+"""The table of docs/guide/reliability.md (case class, cases, passed, what a user sees), from test results.
 
-    python scripts/reliability_table.py            # runs pytest on the files below, rewrites the table
+    bash scripts/test.sh && python scripts/reliability_table.py    # the test command writes .test-results.xml; rewrite the table
+    python scripts/reliability_table.py --check                      # CI: the table is what the last test run gives
+    python scripts/reliability_table.py --nightly                    # 10,000-example property profiles (~1 h on 2 cores):
+                                                                     #   bench/results/reliability-nightly.json, then the table
+
+Every pytest run writes `.test-results.xml` (`--junitxml` in pyproject's pytest options), so the table is counted
+from the run CI just did, without running anything twice. The nightly rows come from the last `--nightly` run's
+file, which records its date, commit and the examples hypothesis actually ran.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
 import re
 import subprocess
 import sys
 import tempfile
+import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from kvpack.bench.env import environment  # noqa: E402  (the repository's own source, installed or not)
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = 250  # hypothesis examples per property test in the `ci` profile (tests/test_properties.py)
 DOC = ROOT / "docs" / "guide" / "reliability.md"
+RESULTS = ROOT / ".test-results.xml"
+NIGHTLY = ROOT / "bench" / "results" / "reliability-nightly.json"
+# (case class, test file, test name, what the user sees): the hypothesis properties the nightly profile runs
+NIGHTLY_TESTS = [
+    ("Property-based sequences (hypothesis, `nightly` profile)", "test_properties.py", "test_cache_follows_dynamic_layer_within_codec_error",
+     "lengths equal to DynamicLayer's; read-back within the codecs' own error"),
+    ("Any finite magnitude, stored finite or refused (hypothesis, `nightly` profile)", "test_extremes.py",
+     "test_any_finite_magnitude_is_stored_finite_or_refused", "finite K/V and attention, or a refusal before anything is stored"),
+]
 
 # (case class, file, test-name regex, what the user sees when the case is refused or goes wrong)
 CLASSES = [
@@ -35,32 +58,71 @@ CLASSES = [
 ]
 
 
-def run(files: list[str]) -> ET.Element:
-    with tempfile.TemporaryDirectory() as tmp:
-        xml = Path(tmp) / "junit.xml"
-        subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={xml}", *files], cwd=ROOT, check=False)
-        return ET.parse(xml).getroot()
-
-
-def table(root: ET.Element) -> str:
+def table(root: ET.Element, nightly: dict | None) -> str:
     rows = ["| case class | cases | passed | what the user sees |", "|---|---:|---:|---|"]
     for label, file, pattern, sees in CLASSES:
         cases = [c for c in root.iter("testcase") if c.get("classname", "").endswith(file[:-3]) and re.search(pattern, c.get("name", ""))]
+        if not cases:
+            raise SystemExit(f"{RESULTS.name} holds no results of tests/{file}: run the whole test command (bash scripts/test.sh) first")
         failed = [c for c in cases if c.find("failure") is not None or c.find("error") is not None]
         skipped = [c for c in cases if c.find("skipped") is not None]
         # A hypothesis test is one pytest case of many drawn examples: count examples (a failure falsifies its test).
         scale = EXAMPLES if file == "test_properties.py" else 1
         rows.append(f"| {label} | {scale * len(cases)} | {scale * (len(cases) - len(failed) - len(skipped))} | {sees} |")
+    for label, _, name, sees in NIGHTLY_TESTS:
+        run = (nightly or {}).get("tests", {}).get(name)
+        if run is None:
+            rows.append(f"| {label}: not run yet (`--nightly`) | 0 | 0 | {sees} |")
+            continue
+        env = nightly["environment"]
+        passed = run["examples"] if run["outcome"] == "passed" else 0
+        rows.append(f"| {label}, {env['date'][:10]} at {env['git_sha'][:7]} | {run['examples']:,} | {passed:,} | {sees} |")
     return "\n".join(rows)
 
 
-def main() -> None:
-    root = run([f"tests/{f}" for f in dict.fromkeys(c[1] for c in CLASSES)])
+def run_nightly() -> dict:
+    """Each nightly property under `KVPACK_HYPOTHESIS_PROFILE=nightly`, with hypothesis's statistics (examples it ran)."""
+    out = {"environment": environment("python scripts/reliability_table.py --nightly", []), "tests": {}}
+    env = {**os.environ, "KVPACK_HYPOTHESIS_PROFILE": "nightly"}
+    for _, file, name, _ in NIGHTLY_TESTS:
+        start = time.perf_counter()
+        with tempfile.TemporaryDirectory() as tmp:
+            cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={Path(tmp) / 'n.xml'}",
+                   "--hypothesis-show-statistics", f"tests/{file}::{name}"]
+            proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
+        passing = [int(n) for n in re.findall(r"(\d+) passing examples", proc.stdout)]
+        failing = [int(n) for n in re.findall(r"(\d+) failing examples", proc.stdout)]
+        outcome = "passed" if proc.returncode == 0 else "failed"
+        out["tests"][name] = {"file": f"tests/{file}", "outcome": outcome, "examples": sum(passing) + sum(failing),
+                              "seconds": round(time.perf_counter() - start, 1), "tail": proc.stdout[-2000:] if outcome != "passed" else ""}
+        print(f"{name}: {outcome}, {sum(passing) + sum(failing)} examples in {out['tests'][name]['seconds']:.0f} s", flush=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="exit 1 when the table differs from the last test run's")
+    ap.add_argument("--nightly", action="store_true", help="run the 10,000-example profiles first and record them")
+    args = ap.parse_args(argv)
+    if args.nightly:
+        NIGHTLY.write_text(json.dumps(run_nightly(), indent=1) + "\n")
+        print(f"wrote {NIGHTLY.relative_to(ROOT)}")
+    if not RESULTS.is_file():
+        raise SystemExit(f"no {RESULTS.name}: run the test command (bash scripts/test.sh) first")
+    nightly = json.loads(NIGHTLY.read_text()) if NIGHTLY.is_file() else None
     text = DOC.read_text()
     start, end = text.index("<!-- table -->") + len("<!-- table -->"), text.index("<!-- /table -->")
-    DOC.write_text(text[:start] + "\n" + table(root) + "\n" + text[end:])
-    print(f"wrote {DOC}")
+    want = text[:start] + "\n" + table(ET.parse(RESULTS).getroot(), nightly) + "\n" + text[end:]
+    if args.check:
+        if want != text:
+            print(f"{DOC.relative_to(ROOT)}'s table is not what the last test run gives: run python scripts/reliability_table.py")
+            return 1
+        print(f"{DOC.relative_to(ROOT)}'s table matches the last test run")
+        return 0
+    DOC.write_text(want)
+    print(f"wrote {DOC.relative_to(ROOT)}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
