@@ -86,9 +86,18 @@ def _drive(layer: KVPackLayer, ref: DynamicLayer, op, args, gen, shape, dtype) -
     return b, h, d
 
 
-def _worst_error(got: torch.Tensor, want: torch.Tensor) -> float:
+def _errors(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """`[mean, worst]` per-vector relative error of `got` against `want`."""
     err = (got.float() - want.float()).norm(dim=-1) / want.float().norm(dim=-1).clamp_min(1e-6)
-    return float(err.max()) if err.numel() else 0.0
+    return torch.stack([err.mean(), err.max()]) if err.numel() else torch.zeros(2)
+
+
+# How far the cache's error may sit above its codecs' own on the same vectors: the mean within 1.2x, the worst vector
+# within 1.5x. The worst is a tail statistic of which tokens share a group in codecs that group tokens (KIVI's
+# per-channel key groups start where the cache's blocks do: after sinks and padding, after a crop), and one grouping's
+# worst vector is up to ~25% above another's at head dim 16 (the nightly profile's counterexamples, kivi:4 in
+# bfloat16: 1.21-1.22x); a cache that lost or mixed up tokens is off by far more, in both statistics.
+MEAN_SLACK, WORST_SLACK = 1.2, 1.5
 
 
 @given(scenarios())
@@ -113,13 +122,16 @@ def test_cache_follows_dynamic_layer_within_codec_error(scenario):
     assert keys.shape == ref.keys.shape and values.shape == ref.values.shape
     # The codecs' own error on the same vectors: the layer's own (fitted) codec objects encoding every token.
     # The cache's operations (windowing, blocks, crop, reorder, select) must add nothing beyond it.
-    assert _worst_error(keys, ref.keys) <= 1.2 * _codec_error(layer, "key", ref.keys) + 2e-3
-    assert _worst_error(values, ref.values) <= 1.2 * _codec_error(layer, "value", ref.values) + 2e-3
+    for side, got, want in (("key", keys, ref.keys), ("value", values, ref.values)):
+        (mean, worst), (codec_mean, codec_worst) = _errors(got, want), _codec_error(layer, side, want)
+        assert mean <= MEAN_SLACK * codec_mean + 2e-3, (side, float(mean), float(codec_mean))
+        assert worst <= WORST_SLACK * codec_worst + 2e-3, (side, float(worst), float(codec_worst))
 
 
-def _codec_error(layer: KVPackLayer, side: str, x: torch.Tensor) -> float:
-    """Worst per-vector error of `layer`'s `side` codecs on `x (b, h, t, d)` (tiled to a whole token multiple)."""
-    worst = 0.0
+def _codec_error(layer: KVPackLayer, side: str, x: torch.Tensor) -> torch.Tensor:
+    """`[mean, worst]` per-vector error of `layer`'s `side` codecs on `x (b, h, t, d)` (tiled to a whole token multiple),
+    each the largest over the side's codecs."""
+    worst = torch.zeros(2)
     for name, codec in layer._codecs.items():
         if not name.endswith(side):
             continue
@@ -127,5 +139,5 @@ def _codec_error(layer: KVPackLayer, side: str, x: torch.Tensor) -> float:
         reps = -(-max(t, codec.token_multiple) // codec.token_multiple) * codec.token_multiple // t + 1
         data = x.repeat(1, 1, reps, 1)[:, :, : (t * reps) // codec.token_multiple * codec.token_multiple]
         pos = layer.positions(0, t).repeat(1, reps)[:, : data.shape[2]]
-        worst = max(worst, _worst_error(codec.decode(codec.encode(data.float(), pos), pos), data))
+        worst = torch.maximum(worst, _errors(codec.decode(codec.encode(data.float(), pos), pos), data))
     return worst

@@ -7,7 +7,7 @@ window, anchors) and each compressed segment. A segment's entry is found by its 
 kernel for the query's device runs (C++ on CPU, Triton on CUDA, the pure-torch reference elsewhere or under
 `KVPACK_BACKEND=torch`), so there is one path for every device. `ops.run` is the op itself under `torch.compile`;
 in eager mode it calls the implementation the op's registered kernel would pick, without the dispatcher's round
-trip (a decode step makes ~150 of these calls). Every partial is `(m, l, o)` float32 over the kv head's grouped query rows:
+trip (a decode step makes two of these calls per layer for the default). Every partial is `(m, l, o)` float32 over the kv head's grouped query rows:
 
     m, l (b, kv, rows, 1)   max score, Σ exp(s - m)
     o    (b, kv, rows, d_v)  Σ exp(s - m) · v, unnormalized
