@@ -13,7 +13,8 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 import kvpack
 from kvpack.cache.kvcache import left_padding
-from kvpack.registry import list_methods
+from kvpack.registry import DEFAULT_METHOD, get_method, list_methods
+from kvpack.text import load_text
 
 SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=4, max_position_embeddings=4096)
 PAD, REAL, STEPS = 61, 230, 12
@@ -102,3 +103,33 @@ def test_padding_that_changes_mid_cache_is_refused(model):
         mask[1, :10] = 0
         with pytest.raises(ValueError, match="fresh cache"):
             model(ids[:, :1], attention_mask=mask, past_key_values=cache)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("enabled", [True, False])
+@pytest.mark.parametrize("method", [DEFAULT_METHOD, "int8"])
+def test_padded_row_on_a_real_model_within_1_2x_of_alone(eval_smollm2, method, enabled):
+    """SmolLM2 on news text, a 192-token row left-padded by 128 beside a 320-token row (experiments/padded_row_ratio.py
+    runs every method): the padded row's KL against its exact unbatched logits, over the prefill's last position and 16
+    teacher-forced steps, in the batch within 1.2x of alone, as the mean over three rotation draws (one draw's KL moves
+    by more than padding does)."""
+    model, tok = eval_smollm2
+    text = load_text("news")
+    long, short, steps = 320, 192, 16
+    a = tok(text[:6000], return_tensors="pt").input_ids[0, :long]
+    b = tok(text[30000:36000], return_tensors="pt").input_ids[0, :short]
+    cont = tok(text[50000:52000], return_tensors="pt").input_ids[0, : 2 * steps].view(2, steps)
+    ids, mask = torch.zeros(2, long, dtype=torch.long), torch.zeros(2, long, dtype=torch.long)
+    ids[0], mask[0] = a, 1
+    ids[1, long - short :], mask[1, long - short :] = b, 1
+    alone_ids, alone_mask = ids[1:, long - short :], mask[1:, long - short :]
+    exact = _run(model, alone_ids, alone_mask, DynamicCache(config=model.config), cont[1:])[0]
+    draws = [method] if method == "int8" else [get_method(method).with_seed(seed).name for seed in range(3)]
+    (kvpack.enable if enabled else kvpack.disable)(model)
+    try:
+        kls = [(_kl(exact, _run(model, ids, mask, kvpack.KVCache(model, m), cont)[1]),
+                _kl(exact, _run(model, alone_ids, alone_mask, kvpack.KVCache(model, m), cont[1:])[0])) for m in draws]
+    finally:
+        kvpack.disable(model)
+    batched, alone = (sum(k[i] for k in kls) / len(kls) for i in (0, 1))
+    assert batched <= 1.2 * alone, (batched, alone, kls)
