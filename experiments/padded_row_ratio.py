@@ -21,11 +21,11 @@ from transformers import DynamicCache
 import kvpack
 from kvpack.bench.env import environment
 from kvpack.models import load_model
-from kvpack.registry import DEFAULT_METHOD, get_method
+from kvpack.registry import DEFAULT_METHOD, get_method, list_methods
 from kvpack.text import load_text
 
 LONG, SHORT, STEPS, DRAWS = 320, 192, 16, 3
-METHODS = [DEFAULT_METHOD, "turboquant:k3v2", "shard", "kivi:2", "int8"]
+METHODS = [DEFAULT_METHOD, *list_methods()]
 
 
 def run(model, ids: torch.Tensor, mask: torch.Tensor, cache, cont: torch.Tensor) -> torch.Tensor:
