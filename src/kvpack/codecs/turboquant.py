@@ -463,15 +463,13 @@ class TurboQuantCodec(UnRopedKeys, Codec):
         the post-factor of the output's. Held per device while the signs and scale are the same tensors (a refit or
         `load_state_dict` assigns new ones): a decode step reads it twice per layer, and the product cost ~5 us each
         time. `state_nbytes` counts it (kv·d floats)."""
-        signs = self._hadamard_signs(device)[:, 0]
-        scale = self._scale(device)
-        if scale is None:
-            return signs
-        key = (device, id(self.scale), id(self._signs_vec))
-        held = self.__dict__.get("_premaps", {}).get(key)
-        if held is None or held[0] is not self.scale or held[1] is not self._signs_vec:
-            held = (self.scale, self._signs_vec, signs * scale[0, :, 0])
-            self._premaps = {key: held}  # one device at a time: a codec serves its layer's device
+        signs = self._hadamard_signs(device)  # (kv, 1, d), the same tensor while the seed and device are
+        if self.scale is None:
+            return signs[:, 0]
+        scale = self._on("scale", self.scale, device)  # (kv, d), the same tensor until a refit
+        held = self.__dict__.get("_premap")
+        if held is None or held[0] is not signs or held[1] is not scale:
+            held = self._premap = (signs, scale, signs[:, 0] * scale)
         return held[2]
 
     def kernel_query(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
