@@ -131,7 +131,8 @@ def test_every_attention_path_equals_attention_over_the_dequantized_cache(monkey
     from kvpack.kernels import ops, table
 
     layer, q = _layer(_method(values=(TQ2, INT8), anchors=anchors))  # pairs (tq, tq) and (int8, int8): each group has a kernel
-    assert layer.segments and isinstance(layer.segments[0].key_codec, HeadsCodec)
+    codec = layer.segments[0].key_codec if layer.segments else None  # a batch's rows each hold their own heads codec
+    assert codec is not None and all(isinstance(c, HeadsCodec) for c in getattr(codec, "inner", [codec])) and codec.rows == q.shape[0]
     scale = q.shape[-1] ** -0.5
     ref = _reference(layer, q)
     torch.testing.assert_close(segmented_attention(layer, q, None, scale), ref, atol=2e-4, rtol=1e-3)

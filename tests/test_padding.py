@@ -49,7 +49,7 @@ def _kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("enabled", [False, True])
-@pytest.mark.parametrize("method", [*list_methods(), "turboquant:k3v2+ropemean+tcq"])
+@pytest.mark.parametrize("method", [DEFAULT_METHOD, *list_methods(), "turboquant:k3v2+ropemean+tcq"])
 def test_padded_row_matches_its_unbatched_run(model, method, enabled):
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(1, 128, (2, REAL), generator=g)
@@ -63,17 +63,18 @@ def test_padded_row_matches_its_unbatched_run(model, method, enabled):
         alone = _run(model, alone_ids, alone_mask, kvpack.KVCache(model, method), cont[1:])[0]
     finally:
         kvpack.disable(model)
-    exact = _run(model, alone_ids, alone_mask, DynamicCache(config=model.config), cont[1:])[0]
-    err_alone, err_batched = _kl(exact, alone), _kl(exact, batched)
-    # The padded row differs from its own run only through statistics pooled with the other row. Without the
-    # padding taken into account (pads fitted and compressed, other rows' sinks) k3v3 reached 1.9x here. Shard's value
-    # codebook is one k-means fit pooled over both rows, which codes each row worse than a codebook of its own: over
-    # six k-means seeds the ratio here is 1.3-3.4x at KLs of 3e-6 to 1e-5, so it gets a looser bound (that the pads
-    # themselves never reach a codec is test_pads_stay_in_the_exact_region's).
-    bound = 4.0 if method.startswith("shard") else 1.6
-    assert err_batched <= bound * err_alone + 1e-6, (err_batched, err_alone)
-    if method in ("fp16", "int8"):  # per-token codecs without fitted state: the same codes as alone
-        torch.testing.assert_close(batched, alone, atol=1e-4, rtol=1e-4)
+    if method.startswith("shard") or (enabled and get_method(method).anchors):
+        # What a batch still shares: Shard's prompt codecs fit one basis and codebook to the layer's byte target over
+        # both rows (over six k-means seeds the ratio here is 1.3-3.4x at KLs of 3e-6 to 1e-5), and anchors are token
+        # positions ranked by the attention summed over rows. Bound the padded row's KL against exact logits instead.
+        exact = _run(model, alone_ids, alone_mask, DynamicCache(config=model.config), cont[1:])[0]
+        err_alone, err_batched = _kl(exact, alone), _kl(exact, batched)
+        assert err_batched <= (4.0 if method.startswith("shard") else 1.2) * err_alone + 1e-6, (err_batched, err_alone)
+    else:
+        # Pads stay in the exact sinks, every row keeps its own first tokens, and a codec that learns from the data has
+        # one instance per row (codecs.rows): the row is stored exactly as alone, so only float rounding differs. Before
+        # per-row state, k3v3 and KVQuant reached 1.3-1.6x in KL on SmolLM2; before padding was read, 1.9x here.
+        torch.testing.assert_close(batched, alone, atol=1e-5, rtol=1e-5)
 
 
 def test_pads_stay_in_the_exact_region(model):
@@ -107,7 +108,7 @@ def test_padding_that_changes_mid_cache_is_refused(model):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("enabled", [True, False])
-@pytest.mark.parametrize("method", [DEFAULT_METHOD, "int8"])
+@pytest.mark.parametrize("method", [DEFAULT_METHOD, "int8", "turboquant:k3v3", "kvquant:2"])
 def test_padded_row_on_a_real_model_within_1_2x_of_alone(eval_smollm2, method, enabled):
     """SmolLM2 on news text, a 192-token row left-padded by 128 beside a 320-token row (experiments/padded_row_ratio.py
     runs every method): the padded row's KL against its exact unbatched logits, over the prefill's last position and 16
@@ -124,7 +125,7 @@ def test_padded_row_on_a_real_model_within_1_2x_of_alone(eval_smollm2, method, e
     ids[1, long - short :], mask[1, long - short :] = b, 1
     alone_ids, alone_mask = ids[1:, long - short :], mask[1:, long - short :]
     exact = _run(model, alone_ids, alone_mask, DynamicCache(config=model.config), cont[1:])[0]
-    draws = [method] if method == "int8" else [get_method(method).with_seed(seed).name for seed in range(3)]
+    draws = [method] if method.startswith(("int8", "kvquant")) else [get_method(method).with_seed(seed).name for seed in range(3)]
     (kvpack.enable if enabled else kvpack.disable)(model)
     try:
         kls = [(_kl(exact, _run(model, ids, mask, kvpack.KVCache(model, m), cont)[1]),

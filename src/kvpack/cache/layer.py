@@ -17,6 +17,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from ..codecs.base import FP16_MAX, ByteBudget, Codec, Packed, slice_packed
+from ..codecs.rows import RowsCodec
 from ..primitives.validation import abs_max, checks_values
 from ..registry import EXACT_DTYPES, CodecSpec, MethodConfig
 from .anchors import AnchorSet
@@ -535,15 +536,25 @@ class KVPackLayer(CacheLayerMixin):
     def codec(self, kind: str, side: str) -> Codec:
         name = f"{kind}_{side}"
         if name not in self._codecs:
-            spec = self._spec(kind, side)
-            dim = self.head_dim if side == "key" else self.v_head_dim
-            codec = spec.build(dim, self.kv_heads, self.layer_idx)
-            if codec.uses_positions:
-                if self.rope is None:
-                    raise ValueError(f"codec {spec.codec!r} needs the model's rotary embedding, but layer {self.layer_idx} has none")
-                codec.set_rope(*self.rope)
-            self._codecs[name] = codec
+            self._codecs[name] = self.build_codec(self._spec(kind, side), side)
         return self._codecs[name]
+
+    def build_codec(self, spec: CodecSpec, side: str, rows: int | None = None) -> Codec:
+        """`spec`'s codec for this layer's `side`, given the model's rotary embedding when it reads positions. A codec
+        that learns from data gets one instance per batch row (`RowsCodec`), so no row's state is pooled with other
+        requests'; one whose fit reads the prompt's queries or a byte allowance keeps one state for the batch.
+        rows: None decides from the layer's batch; a file's codec says what it was (its row count, or 0 for one codec)."""
+        dim = self.head_dim if side == "key" else self.v_head_dim
+        codec = spec.build(dim, self.kv_heads, self.layer_idx)
+        if codec.uses_positions and self.rope is None:
+            raise ValueError(f"codec {spec.codec!r} needs the model's rotary embedding, but layer {self.layer_idx} has none")
+        if rows is None:
+            rows = self.batch if self.batch > 1 and codec.learns and not (codec.fits_on_queries or codec.fits_to_budget) else 0
+        if rows:
+            codec = RowsCodec([codec, *(spec.build(dim, self.kv_heads, self.layer_idx) for _ in range(rows - 1))])
+        if codec.uses_positions:
+            codec.set_rope(*self.rope)
+        return codec
 
     def retire_codecs(self, kind: str) -> None:
         """Keep `kind`'s codecs for the segments they encoded, under new names (`tier1@1_key`, ...), so the next
@@ -683,4 +694,9 @@ class KVPackLayer(CacheLayerMixin):
             self.fit_queries = fn(self.fit_queries)
         if self.anchors is not None:
             self.anchors = self.anchors.map(fn)
+        rows = None
+        for codec in self._codecs.values():
+            if isinstance(codec, RowsCodec):
+                rows = fn(torch.arange(self.batch)).tolist() if rows is None else rows  # which old row each new row is
+                codec.remap(rows)
         self.batch = self.sink_k.shape[0]

@@ -33,6 +33,7 @@ from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from .._optional import MissingDependency, install_line
 from ..codecs.base import Packed
+from ..codecs.rows import RowsCodec
 from ..registry import CODECS, CodecSpec, LayerCodecs, MethodConfig, Tier, get_method
 from ..support import VERSION, atomic_write, jsonable, model_fingerprint
 from ..support import fingerprint as config_fingerprint
@@ -173,7 +174,7 @@ def _save_kvpack_layer(layer: KVPackLayer, prefix: str, tensors: dict[str, torch
             entry["optional"].append(part)
     for name, codec in layer._codecs.items():
         state = codec.state_dict()
-        entry["codecs"][name] = {"codec": codec.name, "state": sorted(state)}
+        entry["codecs"][name] = {"codec": codec.name, "state": sorted(state), **({"rows": codec.rows} if isinstance(codec, RowsCodec) else {})}
         if "@" in name:  # retired (layer.retire_codecs): the method no longer names its spec, so the file does
             entry["codecs"][name]["spec"] = _spec_json(_codec_spec(codec))
         tensors.update({f"{prefix}.codecs.{name}.{key}": t for key, t in state.items()})
@@ -425,6 +426,7 @@ def _codec_slot(name: str, path: Path) -> tuple[str, str]:
 
 def _codec_spec(codec) -> CodecSpec:
     """The registry spec that builds `codec` again: its registered name and every field of its config."""
+    codec = codec.inner[0] if isinstance(codec, RowsCodec) else codec  # one per batch row: the spec builds each
     name = next(key for key, target in CODECS.items() if target == f"{type(codec).__module__}:{type(codec).__name__}")
     return CodecSpec(name, dataclasses.asdict(codec.config))
 
@@ -432,15 +434,17 @@ def _codec_spec(codec) -> CodecSpec:
 def _restore_codec(layer: KVPackLayer, name: str, info: dict, path: Path):
     """The layer's codec for slot `name`: built by the method, or for a retired slot from the spec the file keeps."""
     kind, side = _codec_slot(name, path)
+    rows = info.get("rows", 0)  # one codec per batch row when it was saved so
+    if isinstance(rows, bool) or not isinstance(rows, int) or rows not in (0, layer.batch):
+        raise CacheFileError(_corrupted_message(path, f"codec {name!r} claims {rows!r} rows of a batch of {layer.batch}"))
     if "@" not in kind:
-        return layer.codec(kind, side)
-    try:
-        spec = CodecSpec(info["spec"]["codec"], dict(info["spec"]["options"]))
-    except (KeyError, TypeError, ValueError) as err:
-        raise CacheFileError(_corrupted_message(path, f"retired codec {name!r} has no valid spec: {err}")) from err
-    codec = spec.build(layer.head_dim if side == "key" else layer.v_head_dim, layer.kv_heads, layer.layer_idx)
-    if codec.uses_positions:
-        codec.set_rope(*layer.rope)
+        spec = layer._spec(kind, side)
+    else:
+        try:
+            spec = CodecSpec(info["spec"]["codec"], dict(info["spec"]["options"]))
+        except (KeyError, TypeError, ValueError) as err:
+            raise CacheFileError(_corrupted_message(path, f"retired codec {name!r} has no valid spec: {err}")) from err
+    codec = layer.build_codec(spec, side, rows)
     layer._codecs[name] = codec
     return codec
 

@@ -252,6 +252,12 @@ class Codec(ABC):
         """Learn data-dependent state from `x: (batch, kv_heads, tokens, head_dim)`; default none."""
         return None
 
+    @property
+    def learns(self) -> bool:
+        """Whether `fit` learns state from the data (a codec that overrides it, unless its config turns learning off):
+        a cache gives each batch row its own such codec (`codecs.rows.RowsCodec`)."""
+        return type(self).fit is not Codec.fit
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Fitted, data-dependent state (PCA bases, codebooks, channel statistics), for saving a cache.
 

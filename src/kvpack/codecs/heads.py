@@ -184,6 +184,10 @@ class HeadsCodec(Codec):
         for codec in self.inner:
             codec.set_rope(inv_freq, attention_scaling)
 
+    @property
+    def learns(self) -> bool:
+        return any(codec.learns for codec in self.inner)
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Each group's fitted state, its keys prefixed `g<i>.`."""
         return {f"g{g}.{k}": v for g, codec in enumerate(self.inner) for k, v in codec.state_dict().items()}

@@ -304,6 +304,11 @@ class TurboQuantCodec(UnRopedKeys, Codec):
             rms = ms.sqrt().clamp_min(1e-6 * ms.sqrt().max().clamp_min(1e-30))
             self.scale = rms.pow(self.config.channel_scale)
 
+    @property
+    def learns(self) -> bool:
+        """Only centering and channel scaling learn from the data; rotations and codebooks come from the seed."""
+        return bool(self.config.center or self.config.channel_scale or self.config.rope_center)
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The fitted `mean` / `scale` (`(kv_heads, d)` float32, each when configured); rotations, sketches and
         the Lloyd-Max codebook are rebuilt from the config and seed."""
