@@ -146,3 +146,54 @@ def test_rows_codec_refuses_a_batch_of_another_size():
         codec.encode(torch.randn(3, 2, 40, 16))
     with pytest.raises(ValueError, match="share one class and config"):
         RowsCodec([spec.build(16, 2), CodecSpec("turboquant", {"bits": 2, "center": True}).build(16, 2)])
+
+
+class _Cfg:
+    _attn_implementation = "kvpack"
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch", "triton"])
+@pytest.mark.parametrize("method", ["turboquant:k3v2+ropemean", "turboquant:k3v3", "turboquant:k3v2+ropemean+tcq"])
+def test_tq_rows_in_one_call_equal_each_row_through_its_own_entry(monkeypatch, method, backend):
+    """TurboQuant's batched rows form (the rows' maps and turning means stacked, one op call) against each row through the
+    single-codec entry with its own codecs. Rows are left-padded differently (their segments start at different RoPE
+    positions) and their keys carry constant components of different sizes before RoPE, so each row fits its own
+    turning pairs, some rows more than others (the stack pads them with zero means)."""
+    from kvpack.cache.layer import KVPackLayer
+    from kvpack.codecs.base import group_query
+    from kvpack.kernels import cpu_lut, ops
+    from kvpack.kernels.table import SegmentData
+    from kvpack.primitives.rope import apply_rope, rope_cos_sin
+    from kvpack.registry import get_method
+
+    if backend == "triton" and not ops.triton_available():
+        pytest.skip("Triton is not installed")
+    if backend == "cpu" and not cpu_lut.available():
+        pytest.skip("CPU kernels unavailable")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(ops, "_override", ops.Backend(backend))
+    gen = torch.Generator().manual_seed(11)
+    b, hk, d, n = 3, 2, 64, 4 + 64 * 3 + 17
+    pad = torch.tensor([0, 7, 19])
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    layer = KVPackLayer(get_method(method), 0, _Cfg(), (inv_freq, 1.0))
+    layer.set_padding(pad)
+    offset = torch.randn(1, hk, 1, d, generator=gen) * torch.tensor([0.0, 2.0, 6.0])[:, None, None, None]  # row 0: no turning mean
+    pos = (torch.arange(n)[None] - pad[:, None]).clamp_min(0)
+    cos, sin = rope_cos_sin(pos, inv_freq, 1.0)
+    layer.update(apply_rope(offset + torch.randn(b, hk, n, d, generator=gen), cos, sin), torch.randn(b, hk, n, d, generator=gen))
+    layer.flush()
+    seg = layer.segments[0]
+    assert isinstance(seg.key_codec, RowsCodec) and seg.key_codec.rows == b
+    q = group_query(torch.randn(b, hk * 3, 1, d, generator=gen), hk)
+    first = lambda: layer.first_position(seg.start)  # noqa: E731
+    batched = table.segment_partial(q, seg, d**-0.5, first)
+    # Triton takes float16 products, and its turning table is as wide as the most pairs any row holds (a row alone: its
+    # own), so sums round differently (1e-4 of a row's output seen); a row reading another row's state is off by O(1).
+    tol = 2e-3 if backend == "triton" else 1e-5
+    assert batched is not None
+    for i, (kc, vc) in enumerate(zip(seg.key_codec.inner, seg.value_codec.inner, strict=True)):
+        one = SegmentData(kc, vc, seg.keys.map_tensors(lambda t, i=i: t[i : i + 1]), seg.values.map_tensors(lambda t, i=i: t[i : i + 1]))
+        alone = table.KERNELS[("tq", "tq")].partial(q[i : i + 1], one, table.Request(d**-0.5, lambda i=i: first()[i : i + 1]))
+        for got, want in zip(batched, alone, strict=True):
+            torch.testing.assert_close(got[i : i + 1], want, atol=tol, rtol=tol)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import math
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -548,6 +549,57 @@ class TurboQuantCodec(UnRopedKeys, Codec):
             out = out * self._scale(out.device)
         return out if mean is None else out + denom * mean[None, :, None]
 
+    # -- a batch whose rows hold their own codecs (codecs.rows.RowsCodec; kvpack.kernels.tq.tq_rows_partial) ---------
+    # Each row's centering, channel scale and turning means are its own; the rotation, codebook and sketch come from the
+    # config, seed and layer, so they are one for the batch. The maps below stack the rows' state once (held while every
+    # row's state is the same tensors) and serve all rows in one op call.
+    def rows_kernel_query(self, codecs: list[TurboQuantCodec], q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`kernel_query` for grouped queries `(b, kv, rows, d)` whose row i reads `codecs[i]`."""
+        q = q.float()
+        if self._hadamard_signs(q.device) is not None:
+            pre = _stack(self, "premap", [c._signs_times_scale(q.device) for c in codecs])  # (b, kv, d)
+            q_rot = cpu_lut.fwht_rows(q * pre[:, :, None, :])
+        else:
+            scale = None if self.scale is None else _stack(self, "scale", [c._on("scale", c.scale, q.device) for c in codecs])
+            q_rot = cpu_lut.head_matmul(q if scale is None else q * scale[:, :, None, :], self.rotation(q.device).mT)
+        if self.mean is None:
+            return q_rot, None
+        mean = _stack(self, "mean", [c._on("mean", c.mean, q.device) for c in codecs])  # (b, kv, d)
+        return q_rot, (q * mean[:, :, None, :]).sum(-1, keepdim=True)
+
+    def rows_kernel_output(self, codecs: list[TurboQuantCodec], o: torch.Tensor, denom: torch.Tensor) -> torch.Tensor:
+        """`kernel_output` for rotated-space outputs `(b, kv, rows, d)` whose row i reads `codecs[i]`."""
+        if self._hadamard_signs(o.device) is not None:
+            out = cpu_lut.fwht_rows(o) * _stack(self, "premap", [c._signs_times_scale(o.device) for c in codecs])[:, :, None, :]
+        else:
+            out = cpu_lut.head_matmul(o, self.rotation(o.device))
+            if self.scale is not None:
+                out = out * _stack(self, "scale", [c._on("scale", c.scale, o.device) for c in codecs])[:, :, None, :]
+        if self.mean is None:
+            return out
+        return out + denom * _stack(self, "mean", [c._on("mean", c.mean, o.device) for c in codecs])[:, :, None, :]
+
+    def rows_ops_turning(self, codecs: list[TurboQuantCodec], q: torch.Tensor, first_position) -> tuple[torch.Tensor, ...] | None:
+        """`ops_turning` with `pair (b, kv, M)` and `mu (b, kv, M, 2)`, one per row: rows with fewer turning pairs repeat
+        pair 0 with a zero mean (no term); None when no row's pairs turn."""
+        states = [c._turning_state() for c in codecs]
+        live = [st for st in states if st is not None]
+        if not live:
+            return None
+        dev = q.device
+        count = max(st[0].shape[1] for st in live)
+
+        def padded(st, i: int) -> torch.Tensor:  # (kv, count) pairs or (kv, count, 2) means of one row
+            if st is None:
+                return torch.zeros((self.kv_heads, count, 2)[: 2 + i], dtype=(torch.int64, torch.float32)[i])
+            extra = count - st[i].shape[1]
+            return st[i] if not extra else torch.cat([st[i], torch.zeros_like(st[i][:, :1]).expand(-1, extra, *st[i].shape[2:])], 1)
+
+        pair = _stack(self, "turn_pair", [None if st is None else st[0] for st in states], lambda: torch.stack([padded(st, 0) for st in states]).to(dev))
+        mu = _stack(self, "turn_mu", [None if st is None else st[1] for st in states], lambda: torch.stack([padded(st, 1) for st in states]).to(dev))
+        freq = self._on("turn_freq", live[0][2], dev)
+        return (q.float().contiguous(), pair, mu, freq, first_position().to(device=dev, dtype=torch.int64).contiguous())
+
     def _rotated_sum(self, p: torch.Tensor, block: TurboQuantPacked, mse: bool) -> torch.Tensor:
         """Σ_t p_t·v̂_t of one chunk in the rotated space `(b, kv, rows, d)`: the MSE term when `mse` (else a
         kernel computed it), plus the QJL residual's when the block has signs."""
@@ -576,6 +628,18 @@ class TurboQuantCodec(UnRopedKeys, Codec):
             out = out + p.sum(-1, keepdim=True) * self._mean(out.device)
         return ungroup(out, probs.shape[1])
 
+
+def _stack(owner: TurboQuantCodec, name: str, parts: list, make=None) -> torch.Tensor:
+    """The rows' state `parts` stacked along a new dim 0 (or `make()` when given), held on `owner` while every part is the
+    same tensor (a refit or `load_state_dict` assigns new ones; weak references, so the held stack keeps no row's state
+    alive and `state_nbytes` counts only the stack). A part that is None (a row padded by `make`) matches only None."""
+    held = owner.__dict__.setdefault("_row_stacks", {}).get(name)
+    if held is not None and len(held[0]) == len(parts) and all((r is None and p is None) or (r is not None and r() is p)
+                                                                for r, p in zip(held[0], parts, strict=True)):
+        return held[1]
+    stacked = make() if make is not None else torch.stack(parts)
+    owner._row_stacks[name] = (tuple(None if p is None else weakref.ref(p) for p in parts), stacked)
+    return stacked
 
 @functools.lru_cache(maxsize=16)
 def _unit_window_table(bits: int, state_bits: int, head_dim: int) -> torch.Tensor:

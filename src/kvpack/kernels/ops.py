@@ -250,7 +250,7 @@ def _tq_cpu(q_rot, k_codes, k_norm, k_centroids, k_bits, v_codes, v_norm, v_cent
     turning = (turn_q, turn_pair, turn_mu, turn_freq, turn_pos0)
     if (bias is not None or softcap or q_rot.dtype != torch.float32 or q_rot.shape[2] > cpu_lut.MAX_FUSED_ROWS
             or d != q_rot.shape[-1] or k_bits not in cpu_lut.LUT_BITS or v_bits not in cpu_lut.LUT_BITS or k_codes.shape[2] == 0
-            or (turn_pair is not None and turn_pair.shape[1] > 64)):
+            or (turn_pair is not None and turn_pair.shape[-1] > 64)):
         return reference.tq_attention(q_rot, k_codes, k_norm, k_centroids, k_bits, v_codes, v_norm, v_centroids, v_bits, d, scale,
                                       row_offset, bias, softcap, *turning, skip)
     turn = None

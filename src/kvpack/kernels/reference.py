@@ -106,11 +106,12 @@ def check_turning(q_rot: torch.Tensor, turn_q, turn_pair, turn_mu, turn_freq, tu
         raise ValueError(f"turning means need an even head dim (RoPE pairs), got {d}")
     dev = q_rot.device
     expect("turn_q", turn_q, (torch.float32,), (b, h, r, d), dev)
-    expect("turn_pair", turn_pair, (torch.int64,), (h, None), dev)
-    m = turn_pair.shape[1]
+    rows = (b,) if turn_pair.dim() == 3 else ()  # one state per batch row, or one shared by the rows
+    expect("turn_pair", turn_pair, (torch.int64,), (*rows, h, None), dev)
+    m = turn_pair.shape[-1]
     if not 1 <= m <= d // 2:
         raise ValueError(f"turn_pair must hold 1..{d // 2} RoPE pairs per head, got {m}")
-    expect("turn_mu", turn_mu, (torch.float32,), (h, m, 2), dev)
+    expect("turn_mu", turn_mu, (torch.float32,), (*rows, h, m, 2), dev)
     expect("turn_freq", turn_freq, (torch.float64,), (d // 2,), dev)
     expect("turn_pos0", turn_pos0, (torch.int64,), (b,), dev)
 
@@ -121,12 +122,14 @@ def turning_scores(turn_q, turn_pair, turn_mu, turn_freq, turn_pos0, t0: int, t1
     from the query's RoPE pair (a, b) = (i_m, i_m + d/2) and the pair's un-RoPEd mean (what `<q, RoPE(μ, p)>` is on
     those pairs). float64 with a cos/sin per token and pair: the kernels' fast forms are checked against this."""
     half = turn_q.shape[-1] // 2
-    idx = turn_pair[None, :, None, :].expand(turn_q.shape[0], -1, turn_q.shape[2], -1)
+    pair = turn_pair.expand(turn_q.shape[0], *turn_pair.shape[-2:])  # (B, H, M): shared by the rows, or one per row
+    mu = turn_mu.expand(turn_q.shape[0], *turn_mu.shape[-3:])  # (B, H, M, 2)
+    idx = pair[:, :, None, :].expand(-1, -1, turn_q.shape[2], -1)
     qa, qb = turn_q.double().gather(-1, idx), turn_q.double().gather(-1, idx + half)  # (B, H, R, M)
-    ma, mb = turn_mu[None, :, None, :, 0].double(), turn_mu[None, :, None, :, 1].double()
+    ma, mb = mu[:, :, None, :, 0].double(), mu[:, :, None, :, 1].double()
     a, b = qa * ma + qb * mb, qb * ma - qa * mb
     positions = turn_pos0.double()[:, None] + torch.arange(t0, t1, dtype=torch.float64, device=turn_q.device)  # (B, T)
-    phase = positions[:, None, :, None] * turn_freq.double()[turn_pair][None, :, None, :]  # (B, H, T, M)
+    phase = positions[:, None, :, None] * turn_freq.double()[pair][:, :, None, :]  # (B, H, T, M)
     return a @ phase.cos().mT + b @ phase.sin().mT
 
 

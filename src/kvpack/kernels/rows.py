@@ -1,6 +1,8 @@
 """Segments stored with one codec per batch row (`RowsCodec`): each row through its inner codecs' entry.
 
-Batch rows attend independently, so the rows' partials, stacked along the batch, are the segment's exactly.
+Batch rows attend independently, so the rows' partials, stacked along the batch, are the segment's exactly. A family
+whose entry has a `rows` form (TurboQuant: the rows' centering, scales and turning means stacked, one op call for the
+batch) serves every row at once; any other runs once per row.
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ def rows_partial(q: torch.Tensor, seg, req: Request) -> Partial | None:
     kc, vc = seg.key_codec, seg.value_codec
     if kc.rows != vc.rows or kc.rows != q.shape[0]:
         return None
+    inner = table.lookup(kc.inner[0], vc.inner[0])
+    if inner is not None and inner.rows is not None:  # the family reads every row's state in one call
+        return inner.rows(q, seg, req)
     parts = []
     for i, (ks, vs) in enumerate(zip(kc.inner, vc.inner, strict=True)):
         part = table.segment_partial(q[i : i + 1], SegmentData(ks, vs, _row(seg.keys, i), _row(seg.values, i)), req.scale,

@@ -63,6 +63,9 @@ class Kernel:
     skip: bool = True  # leaves a segment's anchors out (`Request.skip`)
     positions: bool = False  # reads `Request.first_position` (RoPE re-applied, or a turning mean's term)
     head_dims: str = "any"  # the head dims its kernels take, in words
+    # `rows(q, segment, request) -> Partial | None` over a batch whose rows hold their own codecs (`codecs.rows.RowsCodec`:
+    # `segment.key_codec.inner`, one per row) in one call, or None: the rows entry then runs this entry row by row.
+    rows: Callable[[torch.Tensor, Any, Request], Partial | None] | None = None
 
     def __post_init__(self):
         if len(self.kind) != 2 or not all(isinstance(k, str) and k for k in self.kind):

@@ -150,15 +150,16 @@ def _finish_scores(s, b, h, rows, toks, row_ok, tok_ok, scale, softcap,
 
 
 @triton.jit
-def _turning_coefficients(tq_ptr, stq_b, stq_h, stq_r, pair_ptr, mu_ptr, b, h, rows, row_ok, M,
+def _turning_coefficients(tq_ptr, stq_b, stq_h, stq_r, pair_ptr, mu_ptr, b, h, rows, row_ok, M, PB,
                           HALF: tl.constexpr, BLOCK_M: tl.constexpr):
     """`(A, B (BR, BM))` of the turning-mean term `A cos(θp) + B sin(θp)` per query row and turning pair, from the
     unrotated query's RoPE pair (a, b) = (i, i + d/2) and the pair's un-RoPEd mean; and the pairs' indices and mask."""
     mm = tl.arange(0, BLOCK_M)
     m_ok = mm < M
-    pair = tl.load(pair_ptr + h * M + mm, mask=m_ok, other=0)
-    mu_a = tl.load(mu_ptr + (h * M + mm) * 2, mask=m_ok, other=0.0)
-    mu_b = tl.load(mu_ptr + (h * M + mm) * 2 + 1, mask=m_ok, other=0.0)
+    state = b * PB + h  # PB: heads per batch row when each row holds its own pairs and means, else 0
+    pair = tl.load(pair_ptr + state * M + mm, mask=m_ok, other=0)
+    mu_a = tl.load(mu_ptr + (state * M + mm) * 2, mask=m_ok, other=0.0)
+    mu_b = tl.load(mu_ptr + (state * M + mm) * 2 + 1, mask=m_ok, other=0.0)
     q_row = tq_ptr + b * stq_b + h * stq_h + rows[:, None] * stq_r
     ok = row_ok[:, None] & m_ok[None, :]
     q_a = tl.load(q_row + pair[None, :], mask=ok, other=0.0).to(tl.float32)
@@ -227,7 +228,7 @@ def _tq_attention_kernel(
     vc_ptr, svc_b, svc_h, svc_t, vn_ptr, svn_b, svn_h, svn_t, vcent_ptr,
     off_ptr, so_b, so_h, so_r,
     bias_ptr, sb_b, sb_h, sb_r, sb_t, bias_rows,
-    tq_ptr, stq_b, stq_h, stq_r, pair_ptr, mu_ptr, rate_ptr, pos0_ptr, M,
+    tq_ptr, stq_b, stq_h, stq_r, pair_ptr, mu_ptr, rate_ptr, pos0_ptr, M, PB,
     m_ptr, l_ptr, o_ptr,
     H, R, T, split_len, scale, softcap,
     D: tl.constexpr, DV: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
@@ -250,7 +251,7 @@ def _tq_attention_kernel(
     if HAS_OFFSET:
         offset = tl.load(off_ptr + b * so_b + h * so_h + rows * so_r, mask=row_ok, other=0.0).to(tl.float32)
     if HAS_TURN:  # keys centered on a turning mean: their per-token term, computed here (no (rows x tokens) bias in memory)
-        coef_a, coef_b, pair, m_ok = _turning_coefficients(tq_ptr, stq_b, stq_h, stq_r, pair_ptr, mu_ptr, b, h, rows, row_ok, M,
+        coef_a, coef_b, pair, m_ok = _turning_coefficients(tq_ptr, stq_b, stq_h, stq_r, pair_ptr, mu_ptr, b, h, rows, row_ok, M, PB,
                                                            D // 2, BLOCK_M)
         rate = tl.load(rate_ptr + pair, mask=m_ok, other=0.0)
         pos0 = tl.load(pos0_ptr + b)
@@ -617,12 +618,12 @@ def tq_attention(
     plan = _Plan(q, t, q.shape[-1], d, num_splits, kernel="tq-tcq" if max(k_state - k_bits, v_state - v_bits) > 0 else "tq")
     m, denom, o = plan.buffers(q.device)
     off = (q, 0, 0, 0) if row_offset is None else (row_offset, *_strides(row_offset))
-    turn, block_m = (q, 0, 0, 0, q, q, q, q, 0), 16
+    turn, block_m = (q, 0, 0, 0, q, q, q, q, 0, 0), 16
     if turn_q is not None:
         tq = _rows_last(turn_q)
         turn = (tq, *_strides(tq), turn_pair.contiguous(), turn_mu.contiguous(), _turns_per_token(turn_freq), turn_pos0.contiguous(),
-                turn_pair.shape[1])
-        block_m = max(16, triton.next_power_of_2(turn_pair.shape[1]))  # tl.dot's smallest inner size
+                turn_pair.shape[-1], turn_pair.shape[-2] if turn_pair.dim() == 3 else 0)
+        block_m = max(16, triton.next_power_of_2(turn_pair.shape[-1]))  # tl.dot's smallest inner size
     plan.launch(
         _tq_attention_kernel,
         q, *_strides(q), kc, *_strides(kc), kn, *_strides(kn), k_centroids.contiguous(),

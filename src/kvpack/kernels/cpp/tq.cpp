@@ -195,22 +195,24 @@ void lut_scores_dispatch(int bits, const float* q, const uint8_t* codes, const a
 // transcendental per token.
 struct Turning {
   const float* q = nullptr;       // (BH, R, d) the query as the model formed it (not rotated or scaled)
-  const int64_t* pair = nullptr;  // (H, M) RoPE pair index i_m (< d/2); padding repeats a pair whose μ is 0
-  const float* mu = nullptr;      // (H, M, 2) s·(μ_a, μ_b)
+  const int64_t* pair = nullptr;  // (H, M) or, one state per batch row, (B, H, M): RoPE pair index i_m (< d/2); padding repeats a pair whose μ is 0
+  const float* mu = nullptr;      // (H, M, 2) or (B, H, M, 2): s·(μ_a, μ_b)
   const double* freq = nullptr;   // (d/2,) θ of every pair (the layer's inv_freq)
   const float* w = nullptr;       // (d/2, 2, 64) cos(jθ), sin(jθ) of every pair: one table per model, shared
   const int64_t* pos0 = nullptr;  // (B,) RoPE position of the segment's token 0
   int64_t H = 1;
   int M = 0;
   int d = 0;
+  bool per_row = false;  // pair and mu hold one state per batch row
 };
 constexpr int kTurnTile = 64;
 
 void add_turning_scores(const Turning& tn, int64_t bh, int R, int64_t t0, int64_t n, float* s) {
   const int M = tn.M, half = tn.d / 2;
   const int64_t h = bh % tn.H, b = bh / tn.H;
-  const int64_t* pair = tn.pair + h * M;
-  const float* mu = tn.mu + h * M * 2;
+  const int64_t state = tn.per_row ? bh : h;  // which (row,) head's pairs and means
+  const int64_t* pair = tn.pair + state * M;
+  const float* mu = tn.mu + state * M * 2;
 
   float coef[16][2][64];  // A, B per row and pair: R <= 16, M <= 64 (checked by the caller)
   for (int r = 0; r < R; ++r) {
@@ -463,18 +465,21 @@ std::vector<torch::Tensor> tq_attention(torch::Tensor q, torch::Tensor row_offse
                                         std::vector<torch::Tensor> turning) {
   q = q.contiguous();
   if (row_offset.numel()) row_offset = row_offset.contiguous();
-  // turning: empty, or {q (B, H, R, d) f32, pair (H, M) i64, mu (H, M, 2) f32, freq (d/2,) f64, w (d/2, 2, 64) f32, pos0 (B,) i64}
+  // turning: empty, or {q (B, H, R, d) f32, pair (H, M) i64, mu (H, M, 2) f32, freq (d/2,) f64, w (d/2, 2, 64) f32, pos0 (B,) i64},
+  // pair and mu with a leading B when each batch row holds its own means
   Turning tn;
   if (!turning.empty()) {
     TORCH_CHECK(turning.size() == 6, "turning takes 6 tensors: q, pair, mu, freq, w, pos0");
     for (auto& t : turning) t = t.contiguous();
-    const int64_t M = turning[1].size(1);
-    TORCH_CHECK(M <= 64 && turning[0].sizes() == q.sizes() && turning[1].size(0) == q.size(1) && turning[3].scalar_type() == at::kDouble &&
+    const bool per_row = turning[1].dim() == 3;
+    const int64_t M = turning[1].size(-1);
+    TORCH_CHECK(M <= 64 && turning[0].sizes() == q.sizes() && turning[1].size(-2) == q.size(1) && (!per_row || turning[1].size(0) == q.size(0)) &&
+                    turning[2].dim() == turning[1].dim() + 1 && turning[2].numel() == turning[1].numel() * 2 && turning[3].scalar_type() == at::kDouble &&
                     turning[3].numel() == q.size(3) / 2 && turning[4].size(0) == q.size(3) / 2 && turning[4].size(2) == kTurnTile &&
                     turning[5].numel() == q.size(0),
-                "turning tensors do not match the query: q (B, H, R, d), pair (H, M <= 64), mu (H, M, 2), freq (d/2,) f64, w (d/2, 2, 64), pos0 (B,)");
+                "turning tensors do not match the query: q (B, H, R, d), pair ([B,] H, M <= 64), mu ([B,] H, M, 2), freq (d/2,) f64, w (d/2, 2, 64), pos0 (B,)");
     tn = {turning[0].data_ptr<float>(), turning[1].data_ptr<int64_t>(), turning[2].data_ptr<float>(), turning[3].data_ptr<double>(),
-          turning[4].data_ptr<float>(), turning[5].data_ptr<int64_t>(), q.size(1), static_cast<int>(M), static_cast<int>(q.size(3))};
+          turning[4].data_ptr<float>(), turning[5].data_ptr<int64_t>(), q.size(1), static_cast<int>(M), static_cast<int>(q.size(3)), per_row};
   }
   const int64_t B = q.size(0), H = q.size(1), R = q.size(2), d = q.size(3), T = k_codes.size(2);
   TORCH_CHECK(R <= 16, "tq_attention serves up to 16 query rows per kv head, got ", R);
