@@ -16,7 +16,7 @@ import pytest
 import safetensors.torch
 import torch
 
-from kvpack.registry import CodecSpec, MethodConfig, get_method, list_methods
+from kvpack.registry import DEFAULT_METHOD, CodecSpec, MethodConfig, get_method, list_methods
 from kvpack.serve import blocks
 
 LLOYD_MAX_GAUSSIAN = {2: 0.1175, 3: 0.03454, 4: 0.009497}  # MSE per coordinate, unit variance
@@ -81,29 +81,35 @@ def _needs_positions(method: MethodConfig) -> bool:
     return any(s is not None and s.uses_positions for s in specs)
 
 
-BLOCK_METHODS = [m for m in list_methods() if not _needs_positions(get_method(m))]
-POSITION_METHODS = [m for m in list_methods() if _needs_positions(get_method(m))]
+POSITION_METHODS = [m for m in [DEFAULT_METHOD, *list_methods()] if _needs_positions(get_method(m))]
+# Each layer's (inv_freq, attention scaling), layer 2's scaled as YaRN-style models scale cos/sin.
+ROPES = [(1.0 / (10000 ** (torch.arange(0, 64, 2).float() / 64)), s) for s in (1.0, 1.0, 1.25)]
 
 
-@pytest.mark.parametrize("name", BLOCK_METHODS)
+@pytest.mark.parametrize("name", [DEFAULT_METHOD, *list_methods()])
 def test_file_round_trip_adds_nothing_to_the_codecs_error(name, tmp_path):
     # A file decodes bit-identically to the in-memory codecs fitted on the same block: saving and loading
-    # (fitted state included: TurboQuant's mean and channel scales) is exact.
+    # (fitted state included: TurboQuant's mean and channel scales) is exact. Codecs that read positions get the
+    # block's (it starts at token 37) and each layer's rotary embedding.
     method = get_method(name)
     k, v = kv(tokens=256, head_dim=64)
-    blocks.save_kv(tmp_path / "b.safetensors", k, v, name, start=0)
-    k2, v2 = blocks.load_kv(tmp_path / "b.safetensors", name)
+    start = 37
+    blocks.save_kv(tmp_path / "b.safetensors", k, v, name, start=start, ropes=ROPES)
+    k2, v2 = blocks.load_kv(tmp_path / "b.safetensors", name, ropes=ROPES)
     kspec, vspec = method.prefill_key or method.key, method.prefill_value or method.value
-    head = min(method.sink_tokens, 256)
+    head = min(max(method.sink_tokens - start, 0), 256)
     multiple = math.lcm(kspec.build(64, 3).token_multiple, vspec.build(64, 3).token_multiple)  # K and V split alike
     middle = (256 - head) // multiple * multiple
     for x, y, spec in ((k, k2, kspec), (v, v2, vspec)):
         torch.testing.assert_close(y[:, head + middle :], x[:, head + middle :].half().float(), rtol=0, atol=0)  # exact tail
         for layer in range(3):
             codec = spec.build(64, 3, layer)
+            if codec.uses_positions:
+                codec.set_rope(*ROPES[layer])
             part = x[layer, head:].permute(1, 0, 2).unsqueeze(0)
-            codec.fit(part[:, :, :middle])
-            expected = codec.decode(codec.encode(part[:, :, :middle]))[0].permute(1, 0, 2)
+            pos = torch.arange(start + head, start + head + middle)[None]
+            codec.fit(part[:, :, :middle], pos)
+            expected = codec.decode(codec.encode(part[:, :, :middle], pos), pos)[0].permute(1, 0, 2)
             assert torch.equal(y[layer, head : head + middle], expected)
 
 
@@ -137,10 +143,21 @@ def test_values_beyond_fp16_refused_for_fp16_sinks():
 
 
 @pytest.mark.parametrize("name", POSITION_METHODS)
-def test_codec_needing_positions_refused(name):
+def test_codec_needing_positions_is_refused_without_the_rotary_embedding(name):
     k, v = kv(tokens=64, head_dim=64)
-    with pytest.raises(ValueError, match="rotary"):
+    with pytest.raises(ValueError, match=r"rotary embedding.*pass ropes="):
         blocks.encode_kv(k, v, name)
+
+
+def test_a_reader_with_other_rotary_parameters_is_refused():
+    k, v = kv(tokens=64, head_dim=64)
+    tensors, meta = blocks.encode_kv(k, v, DEFAULT_METHOD, ropes=ROPES)
+    assert "rope" in meta
+    other = [(inv * 0.5, s) for inv, s in ROPES]
+    for ropes in (other, None):
+        with pytest.raises(blocks.BlockMismatch, match="other rotary parameters"):
+            blocks.decode_kv(tensors, meta, DEFAULT_METHOD, ropes=ropes)
+    assert "rope" not in blocks.encode_kv(k, v, "turboquant:k3v2", ropes=ROPES)[1]  # codes that read no positions
 
 
 def test_codec_whose_state_dict_misses_fitted_state_refused(monkeypatch):

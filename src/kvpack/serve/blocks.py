@@ -7,7 +7,10 @@ tokens, kv_heads, head_dim)`, starting at token position `start`. It is stored a
 and a tail shorter than the codecs' token multiple (KIVI's channel groups) exact. There is no recent
 window: a stored prefix is always followed by more tokens. Each layer gets fresh codecs, fitted on
 this block (TurboQuant's mean and channel scales, VQ codebooks), whose fitted state goes into the
-file, so a file decodes on its own.
+file, so a file decodes on its own. A codec that reads token positions (keys stored without RoPE, or centered on a
+mean RoPE turns, as the default's `+ropemean` keys) is given the block's positions and each layer's rotary embedding
+(`ropes`, as `kvpack.support.rope_per_layer` reads them); the file records their digests, and a reader with other
+rotary parameters is refused.
 
 Files are safetensors (tensors plus string metadata, no pickle), written to a temporary name and
 moved into place with `os.replace`, so a reader sees a whole file or none, and concurrent writers of one
@@ -39,6 +42,7 @@ import torch
 
 from ..codecs.base import Codec, Packed, slice_packed
 from ..registry import EXACT_DTYPES, CodecSpec, MethodConfig, get_method
+from ..support import Rope, rope_digest
 
 FORMAT = "kvpack-blocks/1"
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -96,16 +100,31 @@ def _specs(method: MethodConfig) -> tuple[CodecSpec, CodecSpec]:
     return method.prefill_key or method.key, method.prefill_value or method.value
 
 
-def _build(spec: CodecSpec, head_dim: int, kv_heads: int, layer: int) -> Codec:
+def _build(spec: CodecSpec, head_dim: int, kv_heads: int, layer: int, ropes: Sequence[Rope | None] | None) -> Codec:
     codec = spec.build(head_dim, kv_heads, layer)
     if codec.uses_positions:
-        raise ValueError(
-            f"codec {spec.codec!r} reads token positions and the model's rotary embedding (keys stored without RoPE, or "
-            "centered on a mean turned by it); "
-            "block storage takes only codecs that need no token positions: store the blocks with a method such as "
-            "'int8' or 'turboquant:k3v2' (kvpack.DEFAULT_METHOD's '+ropemean' keys read positions)"
-        )
+        rope = ropes[layer] if ropes is not None and layer < len(ropes) else None
+        if rope is None:
+            raise ValueError(
+                f"codec {spec.codec!r} reads token positions and the model's rotary embedding (keys stored without RoPE, or "
+                f"centered on a mean turned by it), and layer {layer} was given none: pass ropes=kvpack.support.rope_per_layer"
+                "(model, layer_kinds) (one (inv_freq, attention_scaling) per layer), or store the blocks with a method that "
+                "reads no positions, such as 'int8' or 'turboquant:k3v2'"
+            )
+        codec.set_rope(*rope)
     return codec
+
+
+def _positions(start: int, head: int, middle: int) -> torch.Tensor:
+    """`(1, middle)` RoPE positions of a block's compressed tokens."""
+    return torch.arange(start + head, start + head + middle)[None]
+
+
+def _rope_digests(codecs: Sequence[Sequence[Codec]], ropes: Sequence[Rope | None] | None) -> str | None:
+    """JSON list of each layer's rotary digest when some codec reads positions (what its codes depend on), else None."""
+    if not any(c.uses_positions for pair in codecs for c in pair):
+        return None
+    return json.dumps([rope_digest(r) for r in ropes or ()])
 
 
 def _packed_class(codec: Codec) -> type[Packed]:
@@ -123,15 +142,16 @@ def _split(tokens: int, start: int, method: MethodConfig, multiple: int) -> tupl
     return head, middle, tokens - head - middle
 
 
-def _check_state_saved(spec: CodecSpec, codec: Codec, packed: Packed, head_dim: int, kv_heads: int, layer: int) -> None:
+def _check_state_saved(spec: CodecSpec, codec: Codec, packed: Packed, head_dim: int, kv_heads: int, layer: int,
+                       ropes: Sequence[Rope | None] | None, positions: torch.Tensor) -> None:
     """Refuse a codec whose `state_dict` leaves out fitted state that `decode` reads: its file would decode wrong.
 
     Fitted state (means, scales, bases, codebooks) is per head or channel, so the first token (or token group) shows it.
     """
-    fresh = _build(spec, head_dim, kv_heads, layer)
+    fresh = _build(spec, head_dim, kv_heads, layer, ropes)
     fresh.load_state_dict(codec.state_dict())
-    probe = slice_packed(packed, 0, codec.token_multiple)
-    if not torch.equal(fresh.decode(probe), codec.decode(probe)):
+    probe, pos = slice_packed(packed, 0, codec.token_multiple), positions[:, : codec.token_multiple]
+    if not torch.equal(fresh.decode(probe, pos), codec.decode(probe, pos)):
         raise NotImplementedError(
             f"codec {spec.codec!r} with options {spec.options} fits state on the data that its state_dict() does not return, "
             "so a stored block could not be decoded; it needs state_dict/load_state_dict for that state"
@@ -144,10 +164,12 @@ def encode_kv(
     method: str | MethodConfig,
     start: int = 0,
     extra: Mapping[str, str] | None = None,
+    ropes: Sequence[Rope | None] | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """`keys, values: (layers, tokens, kv_heads, head_dim)` at positions `start...` -> (tensors, metadata) for safetensors.
 
-    `extra`: string metadata stored alongside (e.g. the model), checked by `decode_kv(expect=...)`.
+    `extra`: string metadata stored alongside (e.g. the model), checked by `decode_kv(expect=...)`. `ropes`: each layer's
+    `(inv_freq, attention_scaling)`, needed only by codecs that read positions (the default's `+ropemean` keys).
     """
     method = get_method(method)
     if keys.ndim != 4 or keys.shape != values.shape:
@@ -162,16 +184,17 @@ def encode_kv(
     tensors: dict[str, torch.Tensor] = {}
     exact_dtype = EXACT_DTYPES[method.exact_dtype] or keys.dtype
     specs = [_specs(method.for_layer(layer)) for layer in range(layers)]  # (key, value) per layer (MethodConfig.layer_codecs)
-    codecs = [tuple(_build(spec, head_dim, kv_heads, layer) for spec in pair) for layer, pair in enumerate(specs)]
+    codecs = [tuple(_build(spec, head_dim, kv_heads, layer, ropes) for spec in pair) for layer, pair in enumerate(specs)]
     # One split for every layer (the file's "split"): whole groups of every layer's codecs.
     head, middle, tail = _split(tokens, start, method, math.lcm(*(c.token_multiple for pair in codecs for c in pair))) if layers else (0, 0, 0)
+    positions = _positions(start, head, middle)
     for layer in range(layers) if middle else ():
         (kspec, vspec), (kc, vc) = specs[layer], codecs[layer]
         for side, codec, spec, x in (("k", kc, kspec, keys[layer]), ("v", vc, vspec, values[layer])):
             part = x[head : head + middle].permute(1, 0, 2).unsqueeze(0)  # (1, kv_heads, middle, head_dim): a codec's layout
-            codec.fit(part)
-            packed = codec.encode(part)
-            _check_state_saved(spec, codec, packed, head_dim, kv_heads, layer)
+            codec.fit(part, positions)
+            packed = codec.encode(part, positions)
+            _check_state_saved(spec, codec, packed, head_dim, kv_heads, layer, ropes, positions)
             for f in dataclasses.fields(packed):
                 value = getattr(packed, f.name)
                 if isinstance(value, torch.Tensor):
@@ -201,6 +224,9 @@ def encode_kv(
         "dtype": str(keys.dtype).removeprefix("torch."),
         "split": json.dumps([head, middle, tail]),
     }
+    digests = _rope_digests(codecs, ropes) if middle else None
+    if digests is not None:
+        metadata["rope"] = digests
     for k, v in (extra or {}).items():
         if k in metadata:
             raise ValueError(f"extra metadata key {k!r} is reserved")
@@ -227,16 +253,22 @@ def decode_kv(
     metadata: Mapping[str, str],
     method: str | MethodConfig,
     expect: Mapping[str, object] | None = None,
+    ropes: Sequence[Rope | None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Inverse of `encode_kv`: (keys, values) `(layers, tokens, kv_heads, head_dim)` in the dtype they were stored from.
 
     `expect`: metadata values the block must have (e.g. `{"layers": 30, "head_dim": 64, "model": ...}`);
-    any mismatch, or another method, raises `BlockMismatch`.
+    any mismatch, or another method, raises `BlockMismatch`; so do rotary parameters (`ropes`) other than the writer's,
+    for codecs that read positions.
     """
     method = get_method(method)
     check_metadata(metadata, method, expect)
     layers, tokens, kv_heads, head_dim = (int(metadata[k]) for k in SHAPE_FIELDS[:4])
     head, middle, tail = json.loads(metadata["split"])
+    if "rope" in metadata and (ropes is None or metadata["rope"] != json.dumps([rope_digest(r) for r in ropes])):
+        raise BlockMismatch("block was written with other rotary parameters (inv_freq / attention scaling) than the reader's "
+                            f"{'(none given: pass ropes=)' if ropes is None else ''}; its position-dependent codes would decode wrong")
+    positions = _positions(int(metadata["start"]), head, middle)
     dtype = DTYPES[metadata["dtype"]]
     out = {}
     for side in ("k", "v"):
@@ -245,7 +277,7 @@ def decode_kv(
             rows = []
             for layer in range(layers):
                 spec = _specs(method.for_layer(layer))[side == "v"]
-                codec = _build(spec, head_dim, kv_heads, layer)
+                codec = _build(spec, head_dim, kv_heads, layer, ropes)
                 prefix = f"L{layer}.{side}.state."
                 codec.load_state_dict({k.removeprefix(prefix): t for k, t in tensors.items() if k.startswith(prefix)})
                 cls = _packed_class(codec)
@@ -256,7 +288,7 @@ def decode_kv(
                 ]  # optional fields default to None
                 if missing:
                     raise BlockMismatch(f"block lacks {side} field(s) {missing} of layer {layer}")
-                x = codec.decode(cls(num_tokens=middle, **fields))  # (1, kv_heads, middle, head_dim)
+                x = codec.decode(cls(num_tokens=middle, **fields), positions)  # (1, kv_heads, middle, head_dim)
                 rows.append(x[0].permute(1, 0, 2))
             parts.append(torch.stack(rows).to(dtype))
         if tail:
@@ -308,9 +340,10 @@ def save_kv(
     method: str | MethodConfig,
     start: int = 0,
     extra: Mapping[str, str] | None = None,
+    ropes: Sequence[Rope | None] | None = None,
 ) -> int:
     """`encode_kv` then `write_atomic`; returns the bytes written."""
-    tensors, metadata = encode_kv(keys, values, method, start, extra)
+    tensors, metadata = encode_kv(keys, values, method, start, extra, ropes)
     return write_atomic(path, tensors, metadata)
 
 
@@ -327,8 +360,9 @@ def load_kv(
     path: str | os.PathLike,
     method: str | MethodConfig,
     expect: Mapping[str, object] | None = None,
+    ropes: Sequence[Rope | None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Read and decode a file written by `save_kv`.
+    """Read and decode a file written by `save_kv` (`ropes` as `decode_kv` takes them).
 
     `BlockMismatch` if it holds another method or shape, or its checksum does not match (a damaged, truncated or
     half-written file: recompute the chunk); a missing file raises `FileNotFoundError`. A file that loads has its
@@ -343,7 +377,7 @@ def load_kv(
         raise BlockMismatch(f"{path} is not a readable safetensors file: {err}") from err
     if metadata.get(CHECKSUM) != checksum(tensors, metadata):
         raise BlockMismatch(f"{path} is damaged (its {CHECKSUM} checksum does not match its contents): recompute the chunk")
-    out = decode_kv(tensors, metadata, method, expect)
+    out = decode_kv(tensors, metadata, method, expect, ropes)
     with contextlib.suppress(OSError):  # another process may have evicted it meanwhile; the K/V are read
         os.utime(path)
     return out

@@ -44,6 +44,7 @@ from vllm.platforms import current_platform
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from ..registry import get_method
+from ..support import layer_kinds, rope_per_layer, rotary_from_config, text_config
 from . import blocks
 from .paged_layout import PlaneLayout, probe_layout
 
@@ -117,6 +118,10 @@ class KVPackConnector(KVConnectorBase_V1):
         self.max_bytes = None if extra.get("max_bytes") is None else int(extra["max_bytes"])  # chunk files kept (LRU, `blocks.evict`)
         model = vllm_config.model_config
         self.head_dim = model.get_head_size()
+        # Each layer's rotary embedding, built from the model's config as transformers builds it: codecs that read
+        # positions (the default's '+ropemean' keys) are given the chunk's positions and these, and files record them.
+        _, text = text_config(model.hf_config)
+        self.ropes = rope_per_layer(rotary_from_config(text), layer_kinds(text))
         self._check_method(model.get_num_kv_heads(parallel))
         self.model_id = f"{model.model}@{model.revision or ''}"
         self.dtype = str(model.dtype).removeprefix("torch.")
@@ -134,12 +139,12 @@ class KVPackConnector(KVConnectorBase_V1):
         self._failed_blocks: set[int] = set()
 
     def _check_method(self, kv_heads: int) -> None:
-        """Store one random chunk in memory now: a method block storage cannot take (codecs that read token positions,
-        such as kvpack's default '+ropemean' keys, or state a file cannot hold) is refused when the engine starts,
-        naming the fix, instead of raising in the first save and killing the running engine."""
+        """Store one random chunk in memory now: a method block storage cannot take (codecs that read token positions
+        when the model's rotary embedding cannot be built from its config, or state a file cannot hold) is refused when
+        the engine starts, naming the fix, instead of raising in the first save and killing the running engine."""
         x = torch.randn(1, self.chunk_tokens, kv_heads, self.head_dim)
         try:
-            blocks.encode_kv(x, x, self.method)
+            blocks.encode_kv(x, x, self.method, ropes=self.ropes)
         except (ValueError, TypeError, NotImplementedError) as err:
             raise ValueError(
                 f"KVPackConnector cannot store method {self.method.name!r}: {err}. Set kv_connector_extra_config "
@@ -298,7 +303,7 @@ class KVPackConnector(KVConnectorBase_V1):
             first = max(t.first_token - c * self.chunk_tokens, 0)
             slots = t.slots[j, first:]
             try:
-                k, v = blocks.load_kv(self._file(key), self.method, expect=self._expect(c, kv_heads))
+                k, v = blocks.load_kv(self._file(key), self.method, expect=self._expect(c, kv_heads), ropes=self.ropes)
             except (OSError, blocks.BlockMismatch) as err:  # missing (removed meanwhile), foreign or damaged file
                 if isinstance(err, blocks.BlockMismatch):  # never loaded again: the recomputed chunk is saved in its place
                     self._file(key).unlink(missing_ok=True)
@@ -343,7 +348,8 @@ class KVPackConnector(KVConnectorBase_V1):
                 span = slice(j * self.chunk_tokens, (j + 1) * self.chunk_tokens)
                 try:
                     size = blocks.save_kv(
-                        path, k[:, span], v[:, span], self.method, start=c * self.chunk_tokens, extra=self._extra(k.shape[2])
+                        path, k[:, span], v[:, span], self.method, start=c * self.chunk_tokens, extra=self._extra(k.shape[2]),
+                        ropes=self.ropes,
                     )
                 except OSError as err:
                     logger.warning("KVPackConnector: chunk %d of request %s not saved: %s", c, t.req_id, err)
