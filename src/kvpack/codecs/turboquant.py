@@ -641,6 +641,7 @@ def _stack(owner: TurboQuantCodec, name: str, parts: list, make=None) -> torch.T
     owner._row_stacks[name] = (tuple(None if p is None else weakref.ref(p) for p in parts), stacked)
     return stacked
 
+
 @functools.lru_cache(maxsize=16)
 def _unit_window_table(bits: int, state_bits: int, head_dim: int) -> torch.Tensor:
     """`trellis.window_table` of the shared Gaussian codebook at unit scale (the codebook is for sqrt(d)-scaled

@@ -43,7 +43,7 @@ def rows_partial(q: torch.Tensor, seg, req: Request) -> Partial | None:
         if part is None:
             return None
         parts.append(part)
-    m, denom, o = (torch.cat(ts, dim=0) for ts in zip(*parts, strict=True))
+    m, denom, o = (torch.cat(ts, dim=0) for ts in zip(*parts, strict=True))  # (b, kv, rows, ·) each
     return m, denom, o
 
 
