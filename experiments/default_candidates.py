@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 from kvpack.cli import main
-from kvpack.registry import SEED_SUFFIX, CodecSpec, MethodConfig, get_method, method
+from kvpack.registry import DEFAULT_METHOD, SEED_SUFFIX, CodecSpec, MethodConfig, get_method, method
 
 
 @method("candidate")
@@ -31,6 +31,11 @@ def _candidate(arg: str) -> MethodConfig:
     windowed = re.fullmatch(r"(k[1-4]v[1-4])-w(\d+)", arg)
     if windowed:  # `turboquant:kXvY` with an exact window of N tokens (blocks of 64 still leave it)
         return get_method(f"turboquant:{windowed[1]}").with_options(window=int(windowed[2]), name=f"candidate:{arg}")
+    rotated = re.fullmatch(r"default-(qr|hadamard)-s(\d+)", arg)
+    if rotated:  # the default method with its rotations of another kind, at seed N
+        base = get_method(f"{DEFAULT_METHOD}{SEED_SUFFIX}{rotated[2]}")
+        key, value = (CodecSpec(s.codec, {**s.options, "rotation": rotated[1]}) for s in (base.key, base.value))
+        return base.with_options(key=key, value=value, name=f"candidate:{arg}")
     tight = re.fullmatch(r"shard-e(\d+(?:\.\d+)?)", arg)
     if tight:  # `shard` with its key rank chosen at N% relative score error on the prompt's queries (3% by default)
         base = get_method("shard")

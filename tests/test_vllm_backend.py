@@ -14,7 +14,15 @@ import pytest
 import torch
 
 from kvpack.serve import pool_calibration
-from kvpack.serve.paged_pool import PoolFormat, encode_rows, gather_rows, paged_attention, write_rows
+from kvpack.serve.paged_pool import (
+    PoolFormat,
+    WindowSlots,
+    WindowStore,
+    encode_rows,
+    gather_rows,
+    paged_attention,
+    write_rows,
+)
 
 METHODS = ["int8", "turboquant:k3v2", "turboquant:k4v4"]
 
@@ -214,6 +222,151 @@ def test_bfloat16_inputs_give_the_query_dtype():
     assert out.dtype == torch.bfloat16
     ref = paged_attention(fmt, codecs, q, k, v, pool, *meta, 0.125)
     torch.testing.assert_close(out.float(), ref, atol=0.05, rtol=0.05)
+
+
+def _windowed_reference(fmt, codecs, q, k, v, n, scale, exact_chunk, sinks, width, held):
+    """Per query row: softmax over decoded K/V of every position, except that the first `sinks` and the positions in
+    `[lo, p]` are exact, lo = max(p - width + 1, held) (and at most the step's first position with `exact_chunk`)."""
+    kd, vd = _decoded(fmt, codecs, k, v)
+    length = k.shape[0]
+    before = length - n
+    group = q.shape[1] // k.shape[1]
+    out = []
+    for i in range(n):
+        p = before + i
+        lo = max(p - width + 1, held)
+        if exact_chunk:
+            lo = min(lo, before)
+        exact = (torch.arange(length) < sinks) | ((torch.arange(length) >= lo) & (torch.arange(length) <= p))
+        kk = torch.where(exact[None, :, None], k.transpose(0, 1), kd).repeat_interleave(group, 0).double()
+        vv = torch.where(exact[None, :, None], v.transpose(0, 1), vd).repeat_interleave(group, 0).double()
+        s = (q[i][:, None].double() @ kk.mT)[:, 0] * scale  # (heads, L)
+        s = s.masked_fill(torch.arange(length)[None] > p, float("-inf"))
+        out.append((s.softmax(-1)[:, None] @ vv)[:, 0].float())
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("exact_chunk", [True, False])
+@pytest.mark.parametrize("sinks", [0, 3])
+@pytest.mark.parametrize("width", [1, 6, 40])
+def test_window_reads_each_querys_last_tokens_exactly(width, sinks, exact_chunk):
+    """With a window of W, a query at position p reads positions max(p - W + 1, held)..p exactly (this step's from its
+    own K/V, older ones from the window store) and only older ones from the pool; `held` is where a sequence's stored
+    window starts (its step's first position when it has none)."""
+    fmt = PoolFormat("turboquant:k3v2", 64, seed=2)
+    heads, kv_heads, block_size, scale = 6, 2, 16, 0.125
+    codecs, pool, q, k, v, (starts, lens, table), full = _batch(fmt, heads, kv_heads, 64, block_size, SPECS, garbage=0xFF, seed=5)
+    b = len(SPECS)
+    held = torch.tensor([max(h - width, 0) for h, _ in SPECS])
+    held[2] = SPECS[2][0]  # a sequence whose stored window holds nothing (its row was lost): every older token compressed
+    held[0] = max(SPECS[0][0] - 3, 0)  # one whose row holds only its last 3 tokens
+    wk = torch.full((b, width, kv_heads, 64), float("nan"))
+    wv = torch.full((b, width, kv_heads, 64), float("nan"))
+    for s, (h, _) in enumerate(SPECS):
+        for j in range(width):
+            p = h - width + j
+            if p >= int(held[s]):
+                wk[s, j], wv[s, j] = full[s][0][p], full[s][1][p]
+    window = (torch.nan_to_num(wk), torch.nan_to_num(wv), held)  # positions it does not hold: whatever bytes (zeros here)
+    sink = None
+    if sinks:
+        sink = tuple(torch.zeros(b, sinks, kv_heads, 64) for _ in range(2))
+        for s, (kf, vf) in enumerate(full):
+            m = min(sinks, kf.shape[0])
+            sink[0][s, :m], sink[1][s, :m] = kf[:m], vf[:m]
+    out = paged_attention(fmt, codecs, q, k, v, pool, starts, lens, table, scale, exact_chunk=exact_chunk, sinks=sink, window=window)
+    for s, (_, n) in enumerate(SPECS):
+        a, e = int(starts[s]), int(starts[s + 1])
+        ref = _windowed_reference(fmt, codecs, q[a:e], *full[s], n, scale, exact_chunk, sinks, width, int(held[s]))
+        torch.testing.assert_close(out[a:e], ref, atol=2e-4, rtol=2e-4)
+
+
+def test_window_store_follows_sequences_across_steps():
+    """A sequence's stored window follows it from step to step and across block boundaries, whatever else runs: its
+    read always holds its true last W tokens, a new sequence starts empty, a prefix hit on a running sequence's last
+    (block, length) continues its window by a copy, and rows of finished sequences are reused."""
+    width, block_size, kv_heads, d = 5, 4, 1, 4
+    slots = WindowSlots(3, width)
+    store = WindowStore(3, width, kv_heads, d)
+    # A token's K names it, [127, position, sequence, 0]: int8 holds it exactly (scale 1).
+    token = lambda seq, pos: torch.tensor([127.0, pos, seq, 0.0]).expand(kv_heads, d)  # noqa: E731
+    blocks = {"a": [10, 11, 12, 13, 14, 15], "b": [20, 21, 22], "c": [10, 30, 31]}  # c shares a's first block (a prefix hit)
+    length = {"a": 0, "b": 0, "c": 0}
+    names = {"a": 1, "b": 2, "c": 1}  # c's tokens equal a's: the same prefix
+
+    def step(work: dict[str, int], layer_reads: int = 2) -> dict[str, tuple[torch.Tensor, int]]:
+        seqs = list(work)
+        starts, lens = [0], []
+        for name in seqs:
+            starts.append(starts[-1] + work[name])
+            lens.append(length[name] + work[name])
+        table = torch.tensor([blocks[name] + [0] * (6 - len(blocks[name])) for name in seqs])
+        qsl, sl = torch.tensor(starts), torch.tensor(lens)
+        before = sl - (qsl[1:] - qsl[:-1])
+        keys = torch.stack([token(names[name], p) for name in seqs for p in range(length[name], length[name] + work[name])])
+        reads = []
+        for layer in range(layer_reads):  # every layer of a step gets the same plan
+            reads.append(slots.plan(layer, qsl, sl, table, block_size))
+        assert reads[0] is reads[1]
+        reads = [store.read(reads[0], before, torch.float32), reads[0]]
+        k, _, held = reads[0]
+        store.write(reads[1], keys, keys, qsl, sl)
+        out = {}
+        for i, name in enumerate(seqs):
+            out[name] = (k[i], int(held[i]))
+            length[name] = lens[i]
+        return out
+
+    def check(read, name, before):
+        k, held = read
+        assert held >= max(before - width, 0)
+        for j in range(width):
+            p = before - width + j
+            if p >= held:
+                assert k[j, 0].tolist() == [127, p, names[name], 0], (name, p, k[:, 0])
+
+    first = step({"a": 6})
+    assert first["a"][1] == 0  # nothing held before its first token
+    for _ in range(7):  # decode steps across a block boundary (position 8)
+        before = length["a"]
+        check(step({"a": 1})["a"], "a", before)
+    # b starts while a decodes; both keep their own windows.
+    r = step({"a": 1, "b": 3})
+    assert r["b"][1] == 0
+    for _ in range(3):
+        before_a, before_b = length["a"], length["b"]
+        r = step({"a": 1, "b": 1})
+        check(r["a"], "a", before_a)
+        check(r["b"], "b", before_b)
+        assert r["a"][1] == before_a - width and r["b"][1] == max(before_b - width, 0)
+    # c: a prefix hit on a's first block, resuming at position 4 where a's row is far past it: c starts empty.
+    length["c"] = 4
+    r = step({"a": 1, "c": 2})
+    assert r["c"][1] == 4
+    check(r["a"], "a", length["a"] - 1)
+
+
+def test_window_store_copies_a_shared_prefix_and_reuses_finished_rows():
+    width, block_size = 4, 4
+    slots = WindowSlots(2, width)
+    table = torch.tensor([[5, 6, 0]])
+    # Sequence x computes 8 tokens (blocks 5, 6): its row ends at (block 6, length 8).
+    plan = slots.plan(0, torch.tensor([0, 8]), torch.tensor([8]), table, block_size)
+    (row,) = plan.slot.tolist()
+    assert row in (0, 1) and plan.copies == ()
+    # x decodes while y, a prefix-cache hit on blocks 5 and 6, computes from position 8: both continue row 0 (y by a copy).
+    both = torch.tensor([[5, 6, 7], [5, 6, 8]])
+    plan = slots.plan(0, torch.tensor([0, 1, 3]), torch.tensor([9, 10]), both, block_size)
+    assert plan.slot.tolist() == [row, 1 - row] and plan.copies == ((row, 1 - row),) and plan.held.tolist() == [4, 4]
+    # A third sequence while x and y run: no row left, so it reads its older tokens compressed.
+    three = torch.tensor([[5, 6, 7], [5, 6, 8], [9, 0, 0]])
+    plan = slots.plan(0, torch.tensor([0, 1, 2, 5]), torch.tensor([10, 11, 3]), three, block_size)
+    assert plan.slot.tolist() == [row, 1 - row, -1] and plan.held.tolist()[2] == 0
+    # x and y finish; z (new) takes the least recently used row.
+    plan = slots.plan(0, torch.tensor([0, 2]), torch.tensor([2]), torch.tensor([[9, 0, 0]]), block_size)
+    assert plan.slot.tolist()[0] in (0, 1) and plan.held.tolist() == [0]
+    with pytest.raises(ValueError, match="at least one row"):
+        WindowSlots(0, 4)
 
 
 # -- end to end in vLLM (skipped unless vLLM is importable) --------------------------------------------------------

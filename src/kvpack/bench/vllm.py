@@ -38,6 +38,7 @@ from .env import _version, environment
 DEFAULT_MODEL = Path("~/.cache/kvpack/hf/smollm2-135m").expanduser()
 BASELINE = "baseline"
 CALIBRATED = "+cal"  # a method label suffix: the pool uses --calibration's static centering and channel scales
+WINDOW = "@window="  # a method label suffix: each sequence's last N tokens also kept exact (the pool's `window` option)
 
 
 def _corpus() -> Path:
@@ -61,7 +62,7 @@ def run_instance(spec: dict) -> dict:
     from vllm.inputs import TokensPrompt
 
     kwargs = dict(model=spec["model"], max_model_len=spec["max_model_len"], dtype=spec["dtype"], seed=0, enforce_eager=True,
-                  kv_cache_memory_bytes=spec["kv_bytes"], disable_log_stats=False)
+                  kv_cache_memory_bytes=spec["kv_bytes"], max_num_seqs=spec["max_num_seqs"], disable_log_stats=False)
     if spec.get("kvpack") is not None:
         kwargs["additional_config"] = {"kvpack": spec["kvpack"]}
     began = time.perf_counter()
@@ -143,11 +144,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default=str(DEFAULT_MODEL), help="a model directory vLLM loads (default: SmolLM2-135M converted by kvpack)")
     parser.add_argument("--corpus", help="a text file (default: gensim's lee_background.cor news corpus)")
     parser.add_argument("--methods", nargs="+", default=["turboquant:k3v2"],
-                        help="kvpack pool methods: int8, turboquant:kXvY; turboquant:kXvY+cal uses --calibration")
+                        help="kvpack pool methods: int8, turboquant:kXvY; turboquant:kXvY+cal uses --calibration; "
+                             "a '@window=N' suffix keeps each sequence's last N tokens exact (e.g. turboquant:k3v2+cal@window=32)")
     parser.add_argument("--calibration", help="pool calibration file for +cal methods (python -m kvpack.serve.pool_calibration)")
     parser.add_argument("--dtype", default="bfloat16", help="model dtype in vLLM (float32, bfloat16, auto)")
     parser.add_argument("--kv-mib", type=int, default=64, help="KV cache memory of every engine, MiB (kv_cache_memory_bytes)")
     parser.add_argument("--max-model-len", type=int, default=1024)
+    parser.add_argument("--max-num-seqs", type=int, default=32, help="vLLM's max_num_seqs for every engine (sizes a window store)")
     parser.add_argument("--prompts", type=int, default=64, help="scored windows")
     parser.add_argument("--prompt-tokens", type=int, default=256, help="tokens per scored window (the second half is scored)")
     parser.add_argument("--teacher-tokens", type=int, help="scored positions per window (default: half the window)")
@@ -175,14 +178,18 @@ def main(argv: list[str] | None = None) -> None:
     after = args.prompts * args.prompt_tokens
     throughput = None if args.no_throughput else {"prompts": windows(ids, args.requests, args.input_tokens, after % max(len(ids) - args.requests * args.input_tokens, 1)),
                                                   "output_tokens": args.output_tokens}
-    common = {"model": args.model, "max_model_len": args.max_model_len, "dtype": args.dtype, "kv_bytes": args.kv_mib << 20}
+    common = {"model": args.model, "max_model_len": args.max_model_len, "dtype": args.dtype, "kv_bytes": args.kv_mib << 20,
+              "max_num_seqs": args.max_num_seqs}
     log = Path(args.log) if args.log else None
     runs = {BASELINE: spawn({**common, "label": BASELINE, "score": score, "throughput": throughput}, log)}
     for method in args.methods:
-        name, cal, rest = method.partition(CALIBRATED)
-        if rest or (cal and not args.calibration):
-            raise SystemExit(f"{method!r}: '{CALIBRATED}' ends a method name and needs --calibration FILE")
-        pool = {"method": name, "seed": args.seed, **({"calibration": str(Path(args.calibration).resolve())} if cal else {})}
+        label, _, width = method.partition(WINDOW)
+        name, cal, rest = label.partition(CALIBRATED)
+        if rest or (cal and not args.calibration) or (width and not width.isdigit()):
+            raise SystemExit(f"{method!r}: a method, then optionally '{CALIBRATED}' (needs --calibration FILE), then optionally "
+                             f"'{WINDOW}N', e.g. turboquant:k3v2{CALIBRATED}{WINDOW}32")
+        pool = {"method": name, "seed": args.seed, **({"calibration": str(Path(args.calibration).resolve())} if cal else {}),
+                **({"window": int(width)} if width else {})}
         run = spawn({**common, "label": method, "kvpack": {**pool, "exact_chunk": False}, "score": score}, log)
         if throughput:
             served = spawn({**common, "label": method, "kvpack": pool, "throughput": throughput}, log)
