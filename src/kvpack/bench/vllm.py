@@ -4,8 +4,10 @@ Run in the vLLM environment (docs/guide/vllm-pool.md):
 
     python -m kvpack.bench.vllm --methods turboquant:k3v2 int8 --dtype bfloat16 --kv-mib 64
 
-Every engine runs in a fresh process, offline (`vllm.LLM`), one after the other, with `kv_cache_memory_bytes` equal
-for all. Reported per engine:
+Every engine runs in a fresh process, offline (`vllm.LLM`), one after the other, with `kv_cache_memory_bytes` and
+`max_num_seqs` equal for all (a kvpack engine's window store, sized by `max_num_seqs`, comes out of that memory). A
+method label takes `+cal` (the `--calibration` file's static centering and scales) and `@window=N` (the pool's `window`
+option; the pool's default otherwise), e.g. `turboquant:k3v2+cal@window=0`. Reported per engine:
 
 - `kv_pool_tokens`: the engine's own pool size (its "KV cache size: N tokens": blocks x block size).
 - Teacher-forced next-token agreement: `--prompts` windows of `--prompt-tokens` tokens of a news corpus are scored with

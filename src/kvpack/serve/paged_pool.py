@@ -404,10 +404,15 @@ class WindowStore:
     def write(self, plan: WindowPlan, key: torch.Tensor, value: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor) -> None:
         """Keep each sequence's last `width` tokens of this step's `key, value (tokens, kv_heads, d)` in its row."""
         starts, lens, slots = query_start_loc.tolist(), seq_lens.tolist(), plan.slot.tolist()
+        tokens, rows, places = [], [], []
         for s, row in enumerate(slots):
             if row < 0:
                 continue
             e = starts[s + 1]
             a = max(starts[s], e - self.width)
-            pos = torch.arange(lens[s] - (e - a), lens[s]) % self.width
-            self.rows[row, pos] = encode_rows(self.format, self.codecs, key[a:e], value[a:e])
+            tokens.append(torch.arange(a, e))
+            rows.append(torch.full((e - a,), row))
+            places.append(torch.arange(lens[s] - (e - a), lens[s]) % self.width)
+        if tokens:  # one encode for the whole step
+            index = torch.cat(tokens)
+            self.rows[torch.cat(rows), torch.cat(places)] = encode_rows(self.format, self.codecs, key[index], value[index])
