@@ -20,6 +20,10 @@ step are attended exactly and merged with the compressed history by log-sum-exp 
 `exact_chunk=False` every token, the step's own included, is read back from the pool (a strict measure of what the
 codes cost: every position sees only compressed keys and values). Slots past a sequence's length are zeroed after
 the gather, so an unwritten or stale slot never reaches a score or a sum, whatever bytes it holds.
+
+A window (`WindowSlots`, `WindowStore`) keeps each running sequence's last tokens beside the pool in int8 rows; a
+query reads the tokens within the window of its position from there (or, for the step's own, exactly) and only
+older ones from the pool.
 """
 
 from __future__ import annotations
@@ -232,9 +236,10 @@ def paged_attention(fmt: PoolFormat, codecs: tuple[Codec, Codec], query: torch.T
     sequence's length including them; `block_table (b, max_blocks)` its blocks. Sequences computing one token (decode)
     are attended in one batched call, the others (prefill chunks) one at a time. `sinks`: exact K, V
     `(b, S, kv_heads, d)` of each sequence's first S positions (those it has), attended in place of their rows.
-    `window`: exact K, V `(b, W, kv_heads, d)` of the W positions before each sequence's first token of this step
-    (`[before - W, before)`), valid from position `held (b,)` on; a query at position p then reads the tokens in
-    `[max(p - W + 1, held), p]` exactly (this step's own from `key`/`value`) and only the older ones from the pool.
+    `window`: K, V `(b, W, kv_heads, d)` of the W positions before each sequence's first token of this step
+    (`[before - W, before)`, as `WindowStore.read` gives them), valid from position `held (b,)` on; a query at position
+    p then reads the tokens in `[max(p - W + 1, held), p]` from there (this step's own from `key`/`value`, exact) and
+    only the older ones from the pool.
     With `exact_chunk`, the step's tokens are also read exactly by each other (a query never reads compressed what
     the step computed).
     """
