@@ -6,7 +6,10 @@
 
 `candidate:kXvY-sN` is `turboquant:kXvY@seed=N` (any method name takes `@seed=N`): its rotations drawn from
 base seed N instead of 0, to see how much one draw of the random rotation moves a perplexity delta.
-`candidate:kXvY-wN` is `turboquant:kXvY` with an exact window of N tokens instead of 64. `candidate:kXvq` is the default's key codec at X bits (centered, channel-scaled TurboQuant) with Shard's
+`candidate:kXvY-wN` is `turboquant:kXvY` with an exact window of N tokens instead of 64.
+`candidate:default-qr-sN` / `candidate:default-hadamard-sN` is the default method at seed N with its rotations drawn as
+dense Haar (QR) matrices or as randomized Hadamards (the default's own for power-of-two head sizes), to see whether the
+draw-to-draw spread belongs to the Hadamard's structure. `candidate:kXvq` is the default's key codec at X bits (centered, channel-scaled TurboQuant) with Shard's
 value codec (Hadamard + k-means VQ on groups of 4 channels, 8-bit indices, per-token RMS: 2.25 bits per
 value, as TurboQuant's 2-bit values). One codec pair serves the prompt and the stream; VQ fits on its
 first block. The measurements and the decision are in docs/notes/decisions.md.
