@@ -30,11 +30,22 @@ EXACT_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "native": 
 @dataclass(frozen=True)
 class Tier:
     """An older tier (ADR-004): compressed tokens more than `after` tokens behind the newest one are held by
-    these codecs instead of the stream codecs, moved there in whole blocks as they age."""
+    these codecs instead of the stream codecs, moved there in whole blocks as they age.
+
+    For codecs fitted on data (Shard's PCA keys and VQ values, KVQuant's codebooks), which fit on their first encode:
+    fit_tokens: a fresh fit of this tier's codecs waits until at least this many tokens are past the boundary and takes
+        them in one run, so the fit sees more than one block (0: fit on whatever arrives first).
+    refit: every run stored after a fit has its reconstruction error measured (per side, relative squared error,
+        read back from its codes); a run whose error is more than `refit` above the first run's after the fit (0.25:
+        25% worse) ends the fit: its codecs keep the segments they coded, and the next tokens past the boundary wait
+        for a fresh fit on `fit_tokens` of their own (0: never refit).
+    """
 
     key: CodecSpec
     value: CodecSpec
     after: int
+    fit_tokens: int = 0
+    refit: float = 0.0
 
     def __post_init__(self):
         for attr in ("key", "value"):
@@ -42,6 +53,13 @@ class Tier:
                 raise TypeError(f"Tier.{attr} must be a CodecSpec, got {type(getattr(self, attr)).__name__}")
         if isinstance(self.after, bool) or not isinstance(self.after, int) or self.after < 1:
             raise ValueError(f"Tier.after must be a positive int (tokens behind the newest), got {self.after!r}")
+        if isinstance(self.fit_tokens, bool) or not isinstance(self.fit_tokens, int) or self.fit_tokens < 0:
+            raise ValueError(f"Tier.fit_tokens must be a non-negative int (tokens a fresh fit waits for; 0: no wait), got {self.fit_tokens!r}")
+        if isinstance(self.refit, bool) or not isinstance(self.refit, int | float) or not 0 <= self.refit < math.inf:
+            raise ValueError(f"Tier.refit must be a finite number >= 0 (relative error rise that ends a fit; 0: never), got {self.refit!r}")
+        if self.refit and not self.fit_tokens:
+            raise ValueError("Tier.refit needs fit_tokens > 0: a refit must wait for enough tokens to fit on, "
+                             f"e.g. Tier(..., fit_tokens=1024, refit={self.refit!r})")
 
 
 @dataclass(frozen=True)
@@ -135,11 +153,6 @@ class MethodConfig:
     def _check_anchors(self) -> None:
         if isinstance(self.anchors, bool) or not isinstance(self.anchors, int | float) or not 0 <= self.anchors <= MAX_ANCHORS:
             raise ValueError(f"anchors must be a fraction of the prompt's tokens from 0 to {MAX_ANCHORS} (e.g. 0.005), got {self.anchors!r}")
-        if self.anchors and self.tiers:
-            raise ValueError(
-                f"method {self.name!r}: anchors cannot be combined with tiers (a demoted block is re-encoded, and its anchors' "
-                "codes would go stale); use anchors with a single-tier method such as 'turboquant:k3v2'"
-            )
 
     def _check_layer_codecs(self) -> None:
         if not isinstance(self.layer_codecs, tuple) or not all(isinstance(e, LayerCodecs) for e in self.layer_codecs):
@@ -436,28 +449,44 @@ def _subspace(arg: str) -> MethodConfig:
     return MethodConfig(f"subspace:{arg}", spec, spec)
 
 
-@method("tiered", "512", "512:tq")
+@method("tiered", "512", "512:tq", "1024:shard")
 def _tiered(arg: str) -> MethodConfig:
     """ADR-004's three tiers: the exact window (hot), KIVI 4-bit (warm), KIVI 2-bit beyond `after` tokens (archive).
 
     `tiered:<after>:tq` uses kvpack's TurboQuant codecs instead: k4v4 warm, the default's k3v2 archive.
+    `tiered:<after>:shard`: the default method (its k3v2 codecs, window and anchors) as the warm tier, and an archive of
+    Shard's codecs (un-RoPEd PCA keys, VQ values at 1 bit) fitted on the archive's own tokens, ARCHIVE_FIT_TOKENS at a
+    time, and fitted again when they drift.
     """
     boundary, _, family = (arg or "512").partition(":")
     try:
         after = int(boundary)
     except ValueError:
         after = -1
-    if after < 128 or after % 64 or family not in ("", "tq"):
+    if after < 128 or after % 64 or family not in ("", "tq", "shard"):
         raise ValueError(
             f"tiered takes the archive boundary in tokens, a multiple of 64 from 128, then optionally ':tq' for TurboQuant "
-            f"tiers (e.g. tiered:512, tiered:512:tq), got {arg!r}"
+            f"tiers or ':shard' for a Shard archive (e.g. tiered:512, tiered:512:tq, tiered:1024:shard), got {arg!r}"
         )
     if family == "tq":
         warm, archive = _turboquant("k4v4"), _turboquant("k3v2")
         return MethodConfig(f"tiered:{after}:tq", warm.key, warm.value, tiers=(Tier(archive.key, archive.value, after),))
+    if family == "shard":  # the default (its codecs, window and anchors) with an archive
+        archive = Tier(CodecSpec("pca", {"bits": ARCHIVE_KEY_BITS}), CodecSpec("vq", {"token_norm": True, "codebook_size": ARCHIVE_CODEBOOK}), after,
+                       fit_tokens=ARCHIVE_FIT_TOKENS, refit=ARCHIVE_REFIT)
+        return get_method(DEFAULT_METHOD).with_options(name=f"tiered:{after}:shard", tiers=(archive,))
     warm = (CodecSpec("kivi", {"bits": 4, "axis": "channel"}), CodecSpec("kivi", {"bits": 4, "axis": "token"}))
     archive = Tier(CodecSpec("kivi", {"bits": 2, "axis": "channel"}), CodecSpec("kivi", {"bits": 2, "axis": "token"}), after)
     return MethodConfig(f"tiered:{after}", *warm, tiers=(archive,))
+
+
+# `tiered:<after>:shard`'s archive: PCA keys at 3 bits per kept component on average, 16 value codewords per 4 channels
+# (1 bit per value), a fit on at least 1,024 tokens, a new fit once a run's error is 50% above the first run's after the
+# fit (measured on SmolLM2 and Qwen2.5: docs/guide/tiers.md).
+ARCHIVE_KEY_BITS = 3
+ARCHIVE_CODEBOOK = 16
+ARCHIVE_FIT_TOKENS = 1024
+ARCHIVE_REFIT = 0.5
 
 
 # -- auto:<target>: the name's grammar (the allocation itself is kvpack.allocator's) -------------------------

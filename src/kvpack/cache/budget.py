@@ -163,18 +163,20 @@ def enforce(layer) -> None:
 
 
 def _demote_oldest_block(layer, share: LayerShare) -> BudgetEvent | None:
-    """Move the warm segment's first block into the method's oldest tier (decode + re-encode), or None."""
+    """Move the warm segment's first block into the method's oldest tier (decode + re-encode), or None. A fresh fit of
+    that tier's codecs takes up to `Tier.fit_tokens` at once (what the warm segment has), not a block's worth."""
     tiers = len(layer.method.tiers)
     src = next((seg for seg in layer.segments if seg.kind == "stream"), None)
     if not tiers or src is None:
         return None
-    m = min(math.lcm(layer.method.block_size, src.token_multiple), src.length // src.token_multiple * src.token_multiple)
+    step = math.lcm(layer.method.block_size, src.token_multiple)
+    fit = layer.method.tiers[-1].fit_tokens if layer.holds_nothing(layer.codec(f"tier{tiers}", "key")) else 0
+    m = min(max(step, -(-fit // step) * step), src.length // src.token_multiple * src.token_multiple)
     if not m:
         return None
-    k, v = layer.decode_front(src, m)
-    layer.replace_front(src, m)
-    layer.store(f"tier{tiers}", k, v, src.start)
-    return BudgetEvent(layer.layer_idx, "demote", src.start, m, layer.nbytes(), share.limit)
+    start = src.start
+    layer.move_front(src, m, f"tier{tiers}")
+    return BudgetEvent(layer.layer_idx, "demote", start, m, layer.nbytes(), share.limit)
 
 
 def _evict_oldest(layer, over: int, share: LayerShare) -> BudgetEvent | None:

@@ -179,6 +179,9 @@ class KVPackLayer(CacheLayerMixin):
         self.anchor_credit = 0.0  # anchors owed to the blocks flushed since the prompt (a fraction of a token carries over)
         # (start, tokens, segment kind) of compressed tokens evicted to keep a memory budget (kvpack.cache.budget)
         self.evicted: tuple[tuple[int, int, str], ...] = ()
+        # segment kind -> (key, value) relative squared error of its current codecs on the first run they coded after
+        # their fit: the reference a tier's refit compares later runs with (kvpack.cache.tiers); replaced, never mutated
+        self.tier_fit: dict[str, tuple[float, float]] = {}
         self.is_initialized = False
 
     @property
@@ -480,9 +483,15 @@ class KVPackLayer(CacheLayerMixin):
 
     def _add_anchors(self, index: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Keep tokens `index (h,)` (just compressed, after every current anchor) exact, with rows `k`, `v` `(b, kv, h, d)`."""
-        first = int(index[0])
+        first, last = int(index[0]), int(index[-1])
         seg = next(seg for seg in self.segments if seg.start <= first < seg.start + seg.length)
-        self.anchors = AnchorSet.of(seg, index, k, v) if self.anchors is None else self.anchors.add(seg, index, k, v)
+        if last < seg.start + seg.length:
+            self.anchors = AnchorSet.of(seg, index, k, v) if self.anchors is None else self.anchors.add(seg, index, k, v)
+        else:  # the run went to more than one segment (an older tier and the stream): one part per segment
+            held = self.anchors
+            if held is not None:
+                index, k, v = torch.cat([held.index, index]), torch.cat([held.k, k], 2), torch.cat([held.v, v], 2)
+            self.anchors = AnchorSet.gather(self.segments, index, k, v)
 
     def store(self, kind: str, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
         """Encode tokens [start, start + n) with `kind`'s codecs, appending to the segment that ends at `start`."""
@@ -490,6 +499,7 @@ class KVPackLayer(CacheLayerMixin):
         if not n:
             return
         kc, vc = self.codec(kind, "key"), self.codec(kind, "value")
+        fresh = self.holds_nothing(kc)
         positions = self.positions(start, n)
         keys, values = kc.encode(k, positions), vc.encode(v, positions)
         prev = next((seg for seg in self.segments if seg.start + seg.length == start), None)
@@ -498,11 +508,29 @@ class KVPackLayer(CacheLayerMixin):
         else:
             at = next((i for i, seg in enumerate(self.segments) if seg.start >= start), len(self.segments))
             self.segments.insert(at, Segment(kind, kc, vc, keys, values, start))
+        self.placement.stored(self, kind, k, v, start, fresh)
 
-    def decode_front(self, seg: Segment, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K/V `(batch, kv_heads, n, d)` float of `seg`'s first `n` tokens."""
-        pos = self.positions(seg.start, n)
-        return seg.key_codec.decode(slice_packed(seg.keys, 0, n), pos), seg.value_codec.decode(slice_packed(seg.values, 0, n), pos)
+    def move_front(self, src: Segment, n: int, kind: str) -> None:
+        """Re-encode `src`'s first `n` tokens with `kind`'s codecs (a block aging into an older tier): decoded, dropped
+        from `src`, stored again. Anchors among them keep their exact rows; their codes are gathered from where the
+        tokens now live, so each segment still leaves out exactly the anchors it holds."""
+        start = src.start
+        k, v = self.decode_front(src, n)
+        self.replace_front(src, n)
+        self.store(kind, k, v, start)
+        held = self.anchors
+        if held is not None and bool(((held.index >= start) & (held.index < start + n)).any()):
+            self.anchors = AnchorSet.gather(self.segments, held.index, held.k, held.v)
+
+    def holds_nothing(self, codec: Codec) -> bool:
+        """Whether no segment is coded by `codec`: a codec that fits on its first encode has not fitted yet."""
+        return not any(seg.key_codec is codec or seg.value_codec is codec for seg in self.segments)
+
+    def decode_front(self, seg: Segment, n: int, first: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V `(batch, kv_heads, n, d)` float of `seg`'s `n` tokens from its `first` on (its front by default)."""
+        pos = self.positions(seg.start + first, n)
+        keys, values = slice_packed(seg.keys, first, first + n), slice_packed(seg.values, first, first + n)
+        return seg.key_codec.decode(keys, pos), seg.value_codec.decode(values, pos)
 
     def note_evicted(self, start: int, n: int, kind: str) -> None:
         """Record tokens [start, start + n) of segment kind `kind` as evicted (merged with a contiguous chunk of that kind);
@@ -569,6 +597,7 @@ class KVPackLayer(CacheLayerMixin):
             side = name.rpartition("_")[2]
             codecs[f"{kind}@{generation}_{side}"] = codecs.pop(name)
         self._codecs = codecs
+        self.tier_fit = {name: errors for name, errors in self.tier_fit.items() if name != kind}  # the next fit measures its own
 
     def _spec(self, kind: str, side: str) -> CodecSpec:
         # KVCache hands each layer its own config, but apply_boundary / apply_archive_bits set the cache's whole

@@ -4,6 +4,7 @@ The layer stores (sinks, segments of codes, the exact window) and speaks transfo
 
 - `route`: which segment kind each run of the tokens leaving the window joins ("stream", an older "tier<N>", ...);
 - `keep_exact`: which of those tokens also stay exact beside their codes (anchors);
+- `stored`: what follows from a run just encoded (a tier measures its codecs' error there);
 - `after_flush`: what moves once a forward is stored (blocks aging into an older tier, the byte budget's demotions and
   evictions).
 
@@ -42,6 +43,11 @@ class PlacementPolicy:
         their codes; None for none. `first`: this is the prompt's flush."""
         return None
 
+    def stored(self, layer: KVPackLayer, kind: str, k: torch.Tensor, v: torch.Tensor, start: int, fresh: bool) -> None:
+        """Called by `layer.store` after it encoded tokens [start, start + n) into segment kind `kind`, with their
+        originals `k`, `v` `(b, kv, n, d)`; `fresh`: `kind`'s codecs were built (and fitted) for this run."""
+        return None
+
     def after_flush(self, layer: KVPackLayer, flushed: bool) -> None:
         """Called after every forward's flush; `flushed`: tokens left the window in this one."""
         return None
@@ -74,6 +80,10 @@ class Placement(PlacementPolicy):
             if chosen is not None:
                 return chosen
         return None
+
+    def stored(self, layer: KVPackLayer, kind: str, k: torch.Tensor, v: torch.Tensor, start: int, fresh: bool) -> None:
+        for policy in self.policies:
+            policy.stored(layer, kind, k, v, start, fresh)
 
     def after_flush(self, layer: KVPackLayer, flushed: bool) -> None:
         for policy in self.policies:

@@ -70,7 +70,7 @@ LAYER_ATTRIBUTES = frozenset({
     "method", "layer_idx", "model_config", "rope", "length", "updates", "sink_k", "sink_v", "win_k", "win_v", "segments",
     "pos_offset", "pad", "pad_max", "_codecs", "pending_attention", "is_initialized", "dtype", "device", "batch", "kv_heads",
     "head_dim", "v_head_dim", "exact_dtype", "keys", "values", "fit_queries", "evicted", "budget", "_first_position",
-    "fit_scaling", "anchors", "anchor_credit", "prompt_target", "placement", "_max_entry",
+    "fit_scaling", "anchors", "anchor_credit", "prompt_target", "placement", "_max_entry", "tier_fit",
 })
 
 
@@ -191,6 +191,8 @@ def _save_kvpack_layer(layer: KVPackLayer, prefix: str, tensors: dict[str, torch
         entry["anchors"] = layer.anchors.count
     if layer.anchor_credit:
         entry["anchor_credit"] = layer.anchor_credit  # the next flush's share of an anchor, so a loaded cache chooses as the saved one would
+    if layer.tier_fit:
+        entry["tier_fit"] = {kind: list(errors) for kind, errors in layer.tier_fit.items()}  # a tier's refit reference
     return entry
 
 
@@ -349,6 +351,7 @@ def _restore_kvpack_layer(layer: KVPackLayer, entry: dict, tensors: _Tensors, pa
     if "anchors" in entry:
         layer.anchors = _load_anchors(layer, int(entry["anchors"]), tensors, path)
     layer.anchor_credit = float(entry.get("anchor_credit", 0.0))
+    layer.tier_fit = {str(kind): (float(errors[0]), float(errors[1])) for kind, errors in entry.get("tier_fit", {}).items()}
 
 
 def _load_anchors(layer: KVPackLayer, count: int, tensors: _Tensors, path: Path) -> AnchorSet:
@@ -456,7 +459,8 @@ def method_to_json(method: MethodConfig) -> dict:
     for f in dataclasses.fields(method):
         value = getattr(method, f.name)
         if f.name == "tiers":
-            value = [{"key": _spec_json(t.key), "value": _spec_json(t.value), "after": t.after} for t in value]
+            value = [{"key": _spec_json(t.key), "value": _spec_json(t.value), "after": t.after, "fit_tokens": t.fit_tokens, "refit": t.refit}
+                     for t in value]
         if f.name == "layer_codecs":
             value = [{"layers": list(e.layers), "key": _spec_json(e.key), "value": _spec_json(e.value)} for e in value]
         out[f.name] = _spec_json(value) if isinstance(value, CodecSpec) else value
@@ -474,7 +478,8 @@ def method_from_json(data: dict) -> MethodConfig:
     names = {f.name for f in dataclasses.fields(MethodConfig)}
     kwargs = {k: CodecSpec(v["codec"], dict(v["options"])) if isinstance(v, dict) else v for k, v in data.items() if k in names}
     spec = lambda v: CodecSpec(v["codec"], dict(v["options"]))  # noqa: E731
-    kwargs["tiers"] = tuple(Tier(spec(t["key"]), spec(t["value"]), int(t["after"])) for t in data.get("tiers", ()))
+    kwargs["tiers"] = tuple(Tier(spec(t["key"]), spec(t["value"]), int(t["after"]), int(t.get("fit_tokens", 0)), t.get("refit", 0.0))
+                            for t in data.get("tiers", ()))
     kwargs["layer_codecs"] = tuple(LayerCodecs(tuple(e["layers"]), spec(e["key"]), spec(e["value"])) for e in data.get("layer_codecs", ()))
     return MethodConfig(**kwargs)
 

@@ -1,0 +1,198 @@
+"""An archive tier that holds a growing context at >= 10x: quality, bytes per tier, and the archive's fits, over draws.
+
+    python experiments/archive_tier.py --model smollm2-135m --prompt 1024 --follow 7168 --seeds 0,1,2 \
+        --methods 'turboquant:k3v2+ropemean@anchors=0.5%@window=32,shard:10x@window=32,tiered:1024:shard' \
+        --json bench/results/archive-tier-smollm2-135m.json --plot bench/results/archive-tier-smollm2-135m.png
+
+The context grows after a short prompt, as a conversation does: `--follow` tokens of news text are scored in chunks
+of 256 that read the compressed cache and then join it (the perplexity protocol of `kvpack compare`, with a prompt
+shorter than what follows). So most tokens reach the archive by demotion from the warm tier, not straight from the
+prompt, and a prompt-only codec (Shard's) holds only the first `--prompt` tokens. Each method runs once per draw
+(`@seed=N`) beside one uncompressed run; deltas are paired per draw, and the mean and range over draws are reported.
+
+An archive variant is `archive:AFTER[/kB][/eE][/vqN][/fitF][/refitR]`: the `tiered:AFTER:shard` layout with the PCA
+keys' average bits B and energy E, N value codewords per 4 channels, fits on F tokens, refit at a rise R (0: never).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+import kvpack
+from kvpack import CodecSpec, Tier
+from kvpack.bench.env import environment
+from kvpack.cache import tiers
+from kvpack.eval.methods import make_cache
+from kvpack.eval.perplexity import delta, delta_ci, perplexity
+from kvpack.metrics import collect
+from kvpack.registry import ARCHIVE_CODEBOOK, ARCHIVE_FIT_TOKENS, ARCHIVE_KEY_BITS, ARCHIVE_REFIT, MethodConfig, get_method
+from kvpack.text import token_stream
+
+
+def archive_variant(text: str) -> MethodConfig:
+    """`archive:AFTER[/kB][/eE][/vqN][/fitF][/refitR]` -> the `tiered:AFTER:shard` method with those archive options."""
+    after, *opts = text.split(":", 1)[1].split("/")
+    key, value = {"bits": ARCHIVE_KEY_BITS}, {"token_norm": True, "codebook_size": ARCHIVE_CODEBOOK}
+    fit, refit = ARCHIVE_FIT_TOKENS, ARCHIVE_REFIT
+    for opt in opts:
+        if opt.startswith("refit"):
+            refit = float(opt[5:])
+        elif opt.startswith("fit"):
+            fit = int(opt[3:])
+        elif opt.startswith("vq"):
+            value["codebook_size"] = int(opt[2:])
+        elif opt.startswith("k"):
+            key["bits"] = float(opt[1:])
+        elif opt.startswith("e"):
+            key["energy"] = float(opt[1:])
+        else:
+            raise SystemExit(f"{text!r}: unknown archive option {opt!r} (kB, eE, vqN, fitF, refitR)")
+    base = get_method(f"tiered:{after}:shard")
+    tier = Tier(CodecSpec("pca", key), CodecSpec("vq", value), int(after), fit_tokens=fit, refit=refit)
+    return base.with_options(name=text, tiers=(tier,))
+
+
+def resolve(name: str, seed: int) -> MethodConfig:
+    method = archive_variant(name) if name.startswith("archive:") else get_method(name)
+    return method.with_seed(seed)
+
+
+def tier_state(cache) -> dict[str, int]:
+    """Fitted codec state bytes per segment kind (a retired fit counts with its tier)."""
+    out: dict[str, int] = {}
+    for layer in cache.layers:
+        for name, codec in getattr(layer, "_codecs", {}).items():
+            kind = name.rpartition("_")[0].partition("@")[0]
+            out[kind] = out.get(kind, 0) + codec.state_nbytes()
+    return out
+
+
+def bytes_by_age(cache) -> list[tuple[int, float]]:
+    """(age in tokens, bytes per token over every layer) where the bytes per token change, oldest first (codec state
+    not included: it is per fit, not per token)."""
+    length = cache.get_seq_length()
+    per_token = torch.zeros(length, dtype=torch.float64)
+    for layer in cache.layers:
+        if not hasattr(layer, "segments") or not layer.is_initialized:
+            continue
+        exact = sum(t[:, :, :1].numel() * t.element_size() for t in (layer.sink_k, layer.sink_v))
+        per_token[: layer.sink_k.shape[2]] += exact
+        for seg in layer.segments:
+            per_token[seg.start : seg.start + seg.length] += seg.nbytes() / max(seg.length, 1)
+        per_token[length - layer.win_k.shape[2] :] += exact
+    points, last = [], None
+    for i, value in enumerate(per_token.tolist()):
+        if value != last:
+            points.append((length - 1 - i, value))
+            last = value
+    points.append((0, per_token[-1].item()))
+    return points
+
+
+def run(model, ids: torch.Tensor, method: MethodConfig, prompt: int, follow: int, chunk: int) -> tuple[dict, object]:
+    refits: dict[int, int] = {}
+    measure = tiers.measure_tier
+
+    def counting(layer, kind, k, v, start, fresh):
+        errors = measure(layer, kind, k, v, start, fresh)
+        if fresh:
+            refits[layer.layer_idx] = refits.get(layer.layer_idx, 0) + 1
+        return errors
+
+    tiers.measure_tier = counting
+    try:
+        cache = kvpack.KVCache(model, method)
+        t0 = time.perf_counter()
+        result = perplexity(model, ids, cache, prefix=prompt, chunk=chunk, n_score=follow, progress=False)
+        seconds = time.perf_counter() - t0
+    finally:
+        tiers.measure_tier = measure
+    metrics = collect(cache)
+    state = tier_state(cache)
+    per_tier = {}
+    for t in metrics.tiers:
+        held = t.bytes + state.get(t.tier, 0)
+        per_tier[t.tier] = {"tokens": t.tokens, "bytes": t.bytes, "state_bytes": state.get(t.tier, 0),
+                            "x_fp16": t.fp16_bytes / held if held else math.nan}
+    row = {"method": method.name, "ppl": result.ppl, "total_bytes": metrics.total_bytes, "x_fp16": metrics.ratio,
+           "tiers": per_tier, "fits_per_layer": sorted(refits.values()) if refits else [], "seconds": seconds,
+           "bytes_by_age": bytes_by_age(cache)}
+    return row, result
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--prompt", type=int, default=1024)
+    p.add_argument("--follow", type=int, default=7168)
+    p.add_argument("--chunk", type=int, default=256)
+    p.add_argument("--methods", required=True)
+    p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--json", type=Path)
+    p.add_argument("--plot", type=Path, help="PNG: bytes per token against token age, one line per method (first draw)")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    model, tok = kvpack.load_model(args.model)
+    ids = token_stream(tok, "news", args.prompt + args.follow + 1)
+    kvpack.enable(model)
+    seeds = [int(s) for s in args.seeds.split(",")]
+    base = perplexity(model, ids, make_cache(model, "dynamic"), prefix=args.prompt, chunk=args.chunk,
+                      n_score=args.follow, progress=False)
+    rows = []
+    for name in [m for m in args.methods.split(",") if m]:
+        draws = []
+        for seed in seeds:
+            row, result = run(model, ids, resolve(name, seed), args.prompt, args.follow, args.chunk)
+            row["seed"], row["ppl_delta_pct"] = seed, delta(result, base)[0]
+            row["ppl_delta_ci"] = list(delta_ci(result, base))
+            draws.append(row)
+            print(f"{row['method']}: {row['x_fp16']:.2f}x, {row['ppl_delta_pct']:+.2f}% "
+                  f"[{row['ppl_delta_ci'][0]:+.1f}, {row['ppl_delta_ci'][1]:+.1f}], tiers "
+                  + ", ".join(f"{k} {v['tokens']} tok {v['x_fp16']:.2f}x" for k, v in row["tiers"].items())
+                  + f", fits/layer {row['fits_per_layer'][:1]}..{row['fits_per_layer'][-1:]}, {row['seconds']:.0f} s", flush=True)
+        deltas = [d["ppl_delta_pct"] for d in draws]
+        rows.append({"method": name, "draws": draws, "mean_delta_pct": statistics.fmean(deltas),
+                     "min_delta_pct": min(deltas), "max_delta_pct": max(deltas),
+                     "sd_delta_pct": statistics.stdev(deltas) if len(deltas) > 1 else 0.0,
+                     "mean_x_fp16": statistics.fmean(d["x_fp16"] for d in draws)})
+        print(f"== {name}: mean {rows[-1]['mean_delta_pct']:+.2f}% ({min(deltas):+.2f} to {max(deltas):+.2f}), "
+              f"{rows[-1]['mean_x_fp16']:.2f}x", flush=True)
+    out = {"config": vars(args) | {"json": str(args.json), "plot": str(args.plot)}, "baseline_ppl": base.ppl,
+           "environment": environment("python experiments/archive_tier.py", argv), "rows": rows}
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(out, indent=1) + "\n")
+    if args.plot:
+        plot(rows, args.plot, args.model)
+    return out
+
+
+def plot(rows: list[dict], path: Path, model: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for row in rows:
+        points = row["draws"][0]["bytes_by_age"]
+        ax.step([a for a, _ in points], [b for _, b in points], where="mid", label=row["method"])
+    ax.set_xlabel("token age (tokens behind the newest)")
+    ax.set_ylabel("bytes per token (all layers, K+V)")
+    ax.set_yscale("log")
+    ax.set_title(f"{model}: bytes per token by age at the end of the run")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
