@@ -10,6 +10,10 @@ shorter than what follows). So most tokens reach the archive by demotion from th
 prompt, and a prompt-only codec (Shard's) holds only the first `--prompt` tokens. Each method runs once per draw
 (`@seed=N`) beside one uncompressed run; deltas are paired per draw, and the mean and range over draws are reported.
 
+`NAME|budget=R` runs NAME under a `MemoryBudget` of 1/R of the fp16 bytes of the whole run's tokens (the bytes every
+layer's K and V would take in fp16 at the end): past it the cache first demotes warm blocks into the archive, then
+evicts; the row counts both.
+
 An archive variant is `archive:AFTER[/kB][/eE][/vqN][/fitF][/refitR]`: the `tiered:AFTER:shard` layout with the PCA
 keys' average bits B and energy E, N value codewords per 4 channels, fits on F tokens, refit at a rise R (0: never).
 """
@@ -96,7 +100,13 @@ def bytes_by_age(cache) -> list[tuple[int, float]]:
     return points
 
 
-def run(model, ids: torch.Tensor, method: MethodConfig, prompt: int, follow: int, chunk: int) -> tuple[dict, object]:
+def fp16_bytes_per_token(model) -> int:
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 2 * 2
+
+
+def run(model, ids: torch.Tensor, method: MethodConfig, prompt: int, follow: int, chunk: int, budget: float = 0.0) -> tuple[dict, object]:
     refits: dict[int, int] = {}
     measure = tiers.measure_tier
 
@@ -108,7 +118,8 @@ def run(model, ids: torch.Tensor, method: MethodConfig, prompt: int, follow: int
 
     tiers.measure_tier = counting
     try:
-        cache = kvpack.KVCache(model, method)
+        limit = kvpack.MemoryBudget(int(fp16_bytes_per_token(model) * (prompt + follow) / budget)) if budget else None
+        cache = kvpack.KVCache(model, method, budget=limit)
         t0 = time.perf_counter()
         result = perplexity(model, ids, cache, prefix=prompt, chunk=chunk, n_score=follow, progress=False)
         seconds = time.perf_counter() - t0
@@ -124,6 +135,11 @@ def run(model, ids: torch.Tensor, method: MethodConfig, prompt: int, follow: int
     row = {"method": method.name, "ppl": result.ppl, "total_bytes": metrics.total_bytes, "x_fp16": metrics.ratio,
            "tiers": per_tier, "fits_per_layer": sorted(refits.values()) if refits else [], "seconds": seconds,
            "bytes_by_age": bytes_by_age(cache)}
+    if budget:
+        events = cache.budget_events
+        row["budget"] = {"fp16_fraction": 1 / budget, "max_bytes": limit.max_bytes,
+                         "demoted_tokens": sum(e.tokens for e in events if e.action == "demote"),
+                         "evicted_tokens": sum(e.tokens for e in events if e.action == "evict")}
     return row, result
 
 
@@ -149,8 +165,11 @@ def main(argv: list[str] | None = None) -> dict:
     rows = []
     for name in [m for m in args.methods.split(",") if m]:
         draws = []
+        method_name, _, budget = name.partition("|budget=")
         for seed in seeds:
-            row, result = run(model, ids, resolve(name, seed), args.prompt, args.follow, args.chunk)
+            row, result = run(model, ids, resolve(method_name, seed), args.prompt, args.follow, args.chunk, float(budget or 0))
+            if budget:
+                row["method"] += f"|budget={budget}"
             row["seed"], row["ppl_delta_pct"] = seed, delta(result, base)[0]
             row["ppl_delta_ci"] = list(delta_ci(result, base))
             draws.append(row)

@@ -6,6 +6,8 @@ the device ops that cancel them); the anchors must follow crop, eviction, batch 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -18,7 +20,7 @@ from kvpack.models import tiny_random_model
 from kvpack.primitives.attention_mass import most_attended, received_attention
 from kvpack.registry import get_method
 
-# Every per-token method (KIVI's channel-grouped keys cannot anchor one token; tiers re-encode anchors' blocks).
+# Every per-token method (KIVI's channel-grouped keys cannot anchor one token).
 ANCHORED = ["turboquant:k3v2", "turboquant:k3v3+qjl", "int8", "shard", "qjl", "kvquant:2", "polarquant-int4", "subspace:2"]
 
 
@@ -247,6 +249,34 @@ def test_a_prompt_codec_keeps_later_anchors_in_the_stream_segment():
     assert layer.anchors.index.tolist() == prompt + [i for i in later if i < stream.start + 10]
 
 
+@pytest.mark.parametrize("method", ["tiered:256:tq", "tiered:256:shard"])
+def test_anchors_follow_their_blocks_into_an_older_tier(method):
+    """A block demoted into an older tier is re-encoded there: its anchors keep their exact rows, their codes are
+    gathered again from the tier's segment, and each segment leaves out exactly the anchors it holds (the prompt's
+    flush routes its oldest tokens straight into the tier, later flushes demote whole blocks), on every path."""
+    torch.manual_seed(4)
+    d = 64
+    rope = (1.0 / (10000 ** (torch.arange(0, d, 2).float() / d)), 1.0)
+    base = get_method(method)
+    tier = dataclasses.replace(base.tiers[0], fit_tokens=min(base.tiers[0].fit_tokens, 128))  # a fit on few random tokens
+    layer = KVPackLayer(base.with_options(anchors=0.04, window=64, tiers=(tier,)), 0, _Cfg(), rope)
+    k1, v1 = _feed(layer, 4 + 64 * 6 + 37, planted=30)  # the planted token goes straight to the tier
+    assert [s.kind for s in layer.segments] == ["tier1", "stream"]
+    k2, v2 = _feed(layer, 192, planted=10)
+    k3, v3 = _feed(layer, 192, planted=100)  # ... and these blocks demote tokens the stream anchored
+    archive, warm = layer.segments[0], layer.segments[-1]
+    index = layer.anchors.index.tolist()
+    assert 30 in index and 4 + 64 * 6 + 37 + 10 in index and index == sorted(index)
+    assert any(archive.start <= i < archive.start + archive.length for i in index[1:] if i > 4 + 64 * 6 + 37)  # demoted anchors
+    for seg in layer.segments:
+        inside = [i - seg.start for i in index if seg.start <= i < seg.start + seg.length]
+        skip = layer.anchors.skip_in(seg)
+        assert (skip.tolist() if skip is not None else []) == inside, seg.kind
+    assert sum(len(p.index) for p in layer.anchors.parts) == len(index)
+    _assert_every_path_exact(layer, torch.cat([k1, k2, k3], 2), torch.cat([v1, v2, v3], 2), d)
+    assert warm.start + warm.length <= layer.length
+
+
 def test_crop_drops_anchors_past_the_cut_and_attention_stays_exact():
     layer, k0, v0, q = _anchored_layer("turboquant:k3v2")
     idx = layer.anchors.index.tolist()
@@ -298,8 +328,6 @@ def test_method_names_take_anchors_window_and_seed_suffixes():
     for bad in ("turboquant:k3v2@anchors=30%", "turboquant:k3v2@anchors=x", "turboquant:k3v2@anchors=1%@anchors=2%", "int8@foo=1", "int8@window=x"):
         with pytest.raises(ValueError, match="anchors|suffixes|integer"):
             get_method(bad)
-    with pytest.raises(ValueError, match="cannot be combined with tiers"):
-        get_method("tiered:512@anchors=1%")
 
 
 def test_cache_refuses_anchors_on_grouped_codecs():

@@ -8,6 +8,7 @@ import torch
 
 from kvpack.cache import KVPackLayer
 from kvpack.codecs.kivi import KiviCodec, KiviConfig
+from kvpack.primitives.rope import apply_rope, rope_cos_sin
 from kvpack.registry import CodecSpec, MethodConfig, Tier, get_method
 
 
@@ -113,3 +114,130 @@ def test_restoring_a_snapshot_undoes_a_demotion():
     assert [(s.kind, s.start, s.length) for s in layer.segments] == layout
     after = layer.dequantized()
     assert torch.equal(after[0], before[0]) and torch.equal(after[1], before[1])
+
+
+# -- an archive of codecs fitted on the archive's own tokens (Tier.fit_tokens, Tier.refit) ----------------------------
+D = 64
+INV_FREQ = 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))
+
+
+def _fitted_archive(fit_tokens: int, refit: float, after: int = 256) -> MethodConfig:
+    # 4 bits: the test keys' 16 components (2 heads x rank 8) are one DP group, which 3 bits on average would code at 2
+    tier = Tier(CodecSpec("pca", {"bits": 4}), CodecSpec("vq", {"token_norm": True, "codebook_size": 16}), after,
+                fit_tokens=fit_tokens, refit=refit)
+    return get_method("turboquant:k3v2").with_options(name="fitted-archive", tiers=(tier,))
+
+
+def _subspace_keys(g: torch.Generator, basis: torch.Tensor, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K `(1, 2, n, D)`: un-RoPEd vectors in the span of `basis (D, r)` (plus 1% noise), RoPE'd at positions start..;
+    V `(1, 2, n, D)` Gaussian."""
+    coef = torch.randn(1, 2, n, basis.shape[1], generator=g) * torch.linspace(3, 1, basis.shape[1])
+    x0 = coef @ basis.T + 0.01 * torch.randn(1, 2, n, D, generator=g)
+    cos, sin = rope_cos_sin(torch.arange(start, start + n)[None], INV_FREQ)
+    return apply_rope(x0, cos, sin), torch.randn(1, 2, n, D, generator=g)
+
+
+def _grow(method: MethodConfig, bases: list[torch.Tensor], chunk: int = 64, prompt: int = 100, seed: int = 0):
+    """A layer fed a `prompt`, then `chunk`-token forwards whose keys lie in `bases[i]` for the i-th equal share of the
+    run; returns the layer and every original K, V."""
+    g = torch.Generator().manual_seed(seed)
+    layer = KVPackLayer(method, 0, _Cfg(), (INV_FREQ, 1.0))
+    ks, vs, total = [], [], prompt + chunk * 24
+    sizes = [prompt] + [chunk] * 24
+    for size in sizes:
+        start = sum(k.shape[2] for k in ks)
+        basis = bases[min(start * len(bases) // total, len(bases) - 1)]
+        k, v = _subspace_keys(g, basis, start, size)
+        layer.update(k, v)
+        ks.append(k)
+        vs.append(v)
+    return layer, torch.cat(ks, 2), torch.cat(vs, 2)
+
+
+def _basis(seed: int, r: int = 8) -> torch.Tensor:
+    return torch.linalg.qr(torch.randn(D, r, generator=torch.Generator().manual_seed(seed)))[0]
+
+
+def test_a_fresh_fit_waits_for_fit_tokens_past_the_boundary_and_takes_them_at_once():
+    method = _fitted_archive(fit_tokens=512, refit=0.0)
+    g = torch.Generator().manual_seed(0)
+    layer = KVPackLayer(method, 0, _Cfg(), (INV_FREQ, 1.0))
+    k, v = _subspace_keys(g, _basis(0), 0, 300)
+    layer.update(k, v)
+    first = None
+    while first is None:
+        k, v = _subspace_keys(g, _basis(0), layer.length, 64)
+        layer.update(k, v)
+        past = layer.length - 256 - layer.sink_target  # compressed tokens past the boundary
+        archived = [s for s in layer.segments if s.kind == "tier1"]
+        if archived:
+            first = archived[0].length
+        else:
+            assert past < 512 + 64, past  # nothing demoted while fewer than fit_tokens wait
+    assert first >= 512 and layer.segments[0].key_codec.fitted  # one run of at least fit_tokens, the fit's data
+    held = first
+    k, v = _subspace_keys(g, _basis(0), layer.length, 64)
+    layer.update(k, v)  # later blocks join the fitted archive one block at a time
+    assert layer.segments[0].length == held + 64
+    with pytest.raises(ValueError, match="fit_tokens"):
+        Tier(CodecSpec("pca"), CodecSpec("vq"), 256, fit_tokens=-1)
+    with pytest.raises(ValueError, match="refit needs fit_tokens"):
+        Tier(CodecSpec("pca"), CodecSpec("vq"), 256, refit=0.5)
+    with pytest.raises(ValueError, match="refit must be a finite"):
+        Tier(CodecSpec("pca"), CodecSpec("vq"), 256, fit_tokens=512, refit=-1.0)
+
+
+def test_refit_starts_a_new_fit_when_the_keys_leave_the_fitted_subspace():
+    """Keys whose un-RoPEd vectors move to another subspace halfway: the PCA basis fitted on the first half codes the
+    second half badly, the measured error rises past `refit`, and the archive fits again on the new tokens; keys that
+    stay in one subspace never refit. The refitted archive decodes the second half far closer to the originals."""
+    stable, _, _ = _grow(_fitted_archive(256, 0.5), [_basis(0)])
+    assert not any("@" in name for name in stable._codecs) and len({id(s.key_codec) for s in stable.segments if s.kind == "tier1"}) == 1
+    errors = {}
+    for refit in (0.5, 0.0):
+        layer, k, v = _grow(_fitted_archive(256, refit), [_basis(0), _basis(1)])
+        archive = [s for s in layer.segments if s.kind == "tier1"]
+        fits = {id(s.key_codec) for s in archive}
+        assert len(fits) == (2 if refit else 1), refit
+        if refit:  # the first fit keeps reading what it coded, under its retired name; the file names it too
+            assert any(name.startswith("tier1@1_") for name in layer._codecs)
+            assert "tier1" in layer.tier_fit
+        late = archive[-1]
+        span = slice(late.start + late.length - 128, late.start + late.length)  # second-half tokens in the archive
+        got, _ = layer.dequantized()
+        errors[refit] = float((got[:, :, span] - k[:, :, span]).norm() / k[:, :, span].norm())
+    assert errors[0.5] < 0.5 * errors[0.0], errors
+
+
+def test_a_refitted_archive_round_trips_through_a_file(tmp_path):
+    """Several fits of the archive (a refit threshold so low that the first rise ends a fit), anchors across the tiers:
+    the file keeps every fit's codecs, the method's fit options and the refit reference, and a loaded cache continues
+    the greedy text exactly as the saved one does."""
+    import dataclasses
+
+    import kvpack
+    from kvpack.cache.serialize import load_cache, save_cache
+    from kvpack.models import tiny_random_model
+    from test_serialize import _assert_same_state, _generate
+
+    model, _ = tiny_random_model(seed=0)
+    base = get_method("tiered:128:shard")
+    method = base.with_options(tiers=(dataclasses.replace(base.tiers[0], fit_tokens=128, refit=1e-6),))
+    cache = kvpack.KVCache(model, method)
+    ids = torch.randint(0, 256, (1, 300), generator=torch.Generator().manual_seed(4))
+    seq, _ = _generate(model, ids, cache, 400)
+    layer = cache.compressed_layers()[0]
+    assert sum(name.startswith("tier1@") and name.endswith("_key") for name in layer._codecs) >= 1  # refitted
+    assert layer.anchors is not None
+    for _ in range(8):  # a reference is held from a fit's first run after it to the run that ends it
+        if any(lay.tier_fit for lay in cache.compressed_layers()):
+            break
+        seq, _ = _generate(model, seq, cache, 64)
+    assert any(lay.tier_fit for lay in cache.compressed_layers())
+    save_cache(cache, tmp_path / "c")
+    loaded = load_cache(tmp_path / "c", model)
+    _assert_same_state(cache, loaded)
+    assert loaded.method.tiers == method.tiers
+    assert [lay.tier_fit for lay in loaded.compressed_layers()] == [lay.tier_fit for lay in cache.compressed_layers()]
+    expected, _ = _generate(model, seq, cache, 70)
+    assert torch.equal(_generate(model, seq, loaded, 70)[0], expected)
