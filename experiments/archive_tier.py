@@ -14,8 +14,9 @@ prompt, and a prompt-only codec (Shard's) holds only the first `--prompt` tokens
 layer's K and V would take in fp16 at the end): past it the cache first demotes warm blocks into the archive, then
 evicts; the row counts both.
 
-An archive variant is `archive:AFTER[/kB][/eE][/vqN][/fitF][/refitR]`: the `tiered:AFTER:shard` layout with the PCA
-keys' average bits B and energy E, N value codewords per 4 channels, fits on F tokens, refit at a rise R (0: never).
+An archive variant is `archive:AFTER[/kB][/eE][/vqN][/fitF][/refitR][/warm=METHOD]`: the `tiered:AFTER:shard` layout
+with the PCA keys' average bits B and energy E, N value codewords per 4 channels, fits on F tokens, refit at a rise R
+(0: never), and METHOD's codecs as the warm tier.
 """
 
 from __future__ import annotations
@@ -44,9 +45,11 @@ def archive_variant(text: str) -> MethodConfig:
     """`archive:AFTER[/kB][/eE][/vqN][/fitF][/refitR]` -> the `tiered:AFTER:shard` method with those archive options."""
     after, *opts = text.split(":", 1)[1].split("/")
     key, value = {"bits": ARCHIVE_KEY_BITS}, {"token_norm": True, "codebook_size": ARCHIVE_CODEBOOK}
-    fit, refit = ARCHIVE_FIT_TOKENS, ARCHIVE_REFIT
+    fit, refit, warm = ARCHIVE_FIT_TOKENS, ARCHIVE_REFIT, None
     for opt in opts:
-        if opt.startswith("refit"):
+        if opt.startswith("warm="):
+            warm = get_method(opt[5:])
+        elif opt.startswith("refit"):
             refit = float(opt[5:])
         elif opt.startswith("fit"):
             fit = int(opt[3:])
@@ -60,7 +63,8 @@ def archive_variant(text: str) -> MethodConfig:
             raise SystemExit(f"{text!r}: unknown archive option {opt!r} (kB, eE, vqN, fitF, refitR)")
     base = get_method(f"tiered:{after}:shard")
     tier = Tier(CodecSpec("pca", key), CodecSpec("vq", value), int(after), fit_tokens=fit, refit=refit)
-    return base.with_options(name=text, tiers=(tier,))
+    stream = {"key": warm.key, "value": warm.value} if warm is not None else {}
+    return base.with_options(name=text, tiers=(tier,), **stream)
 
 
 def resolve(name: str, seed: int) -> MethodConfig:
@@ -78,9 +82,9 @@ def tier_state(cache) -> dict[str, int]:
     return out
 
 
-def bytes_by_age(cache) -> list[tuple[int, float]]:
-    """(age in tokens, bytes per token over every layer) where the bytes per token change, oldest first (codec state
-    not included: it is per fit, not per token)."""
+def bytes_by_age(cache) -> list[tuple[int, int, float]]:
+    """Runs of tokens held alike, oldest first: (age of the run's oldest token, age of its newest, bytes per token over
+    every layer). Codec state and the anchors' exact rows are not included: they are per fit and per anchor."""
     length = cache.get_seq_length()
     per_token = torch.zeros(length, dtype=torch.float64)
     for layer in cache.layers:
@@ -91,13 +95,14 @@ def bytes_by_age(cache) -> list[tuple[int, float]]:
         for seg in layer.segments:
             per_token[seg.start : seg.start + seg.length] += seg.nbytes() / max(seg.length, 1)
         per_token[length - layer.win_k.shape[2] :] += exact
-    points, last = [], None
+    runs: list[tuple[int, int, float]] = []
     for i, value in enumerate(per_token.tolist()):
-        if value != last:
-            points.append((length - 1 - i, value))
-            last = value
-    points.append((0, per_token[-1].item()))
-    return points
+        age = length - 1 - i
+        if runs and runs[-1][2] == value:
+            runs[-1] = (runs[-1][0], age, value)
+        else:
+            runs.append((age, age, value))
+    return runs
 
 
 def fp16_bytes_per_token(model) -> int:
@@ -202,9 +207,13 @@ def plot(rows: list[dict], path: Path, model: str) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for row in rows:
-        points = row["draws"][0]["bytes_by_age"]
-        ax.step([a for a, _ in points], [b for _, b in points], where="mid", label=row["method"])
+        xs, ys = [], []
+        for oldest, newest, value in row["draws"][0]["bytes_by_age"]:
+            xs += [oldest + 0.5, newest - 0.5]
+            ys += [value, value]
+        ax.plot(xs, ys, label=row["method"])
     ax.set_xlabel("token age (tokens behind the newest)")
+    ax.invert_xaxis()  # oldest on the left, as the tokens arrived
     ax.set_ylabel("bytes per token (all layers, K+V)")
     ax.set_yscale("log")
     ax.set_title(f"{model}: bytes per token by age at the end of the run")

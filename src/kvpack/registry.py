@@ -454,9 +454,9 @@ def _tiered(arg: str) -> MethodConfig:
     """ADR-004's three tiers: the exact window (hot), KIVI 4-bit (warm), KIVI 2-bit beyond `after` tokens (archive).
 
     `tiered:<after>:tq` uses kvpack's TurboQuant codecs instead: k4v4 warm, the default's k3v2 archive.
-    `tiered:<after>:shard`: the default method (its k3v2 codecs, window and anchors) as the warm tier, and an archive of
-    Shard's codecs (un-RoPEd PCA keys, VQ values at 1 bit) fitted on the archive's own tokens, ARCHIVE_FIT_TOKENS at a
-    time, and fitted again when they drift.
+    `tiered:<after>:shard`: a 4-bit TurboQuant warm tier (`k4v4+ropemean`, the default's window and anchors), and an
+    archive of Shard's codecs (un-RoPEd PCA keys, VQ values at 1.5 bits) fitted on the archive's own tokens,
+    ARCHIVE_FIT_TOKENS at a time, and fitted again when they drift.
     """
     boundary, _, family = (arg or "512").partition(":")
     try:
@@ -471,20 +471,22 @@ def _tiered(arg: str) -> MethodConfig:
     if family == "tq":
         warm, archive = _turboquant("k4v4"), _turboquant("k3v2")
         return MethodConfig(f"tiered:{after}:tq", warm.key, warm.value, tiers=(Tier(archive.key, archive.value, after),))
-    if family == "shard":  # the default (its codecs, window and anchors) with an archive
+    if family == "shard":  # the default's window and anchors, 4-bit warm codecs, a fitted archive
         archive = Tier(CodecSpec("pca", {"bits": ARCHIVE_KEY_BITS}), CodecSpec("vq", {"token_norm": True, "codebook_size": ARCHIVE_CODEBOOK}), after,
                        fit_tokens=ARCHIVE_FIT_TOKENS, refit=ARCHIVE_REFIT)
-        return get_method(DEFAULT_METHOD).with_options(name=f"tiered:{after}:shard", tiers=(archive,))
+        warm = _turboquant("k4v4+ropemean")
+        return get_method(DEFAULT_METHOD).with_options(name=f"tiered:{after}:shard", key=warm.key, value=warm.value, tiers=(archive,))
     warm = (CodecSpec("kivi", {"bits": 4, "axis": "channel"}), CodecSpec("kivi", {"bits": 4, "axis": "token"}))
     archive = Tier(CodecSpec("kivi", {"bits": 2, "axis": "channel"}), CodecSpec("kivi", {"bits": 2, "axis": "token"}), after)
     return MethodConfig(f"tiered:{after}", *warm, tiers=(archive,))
 
 
-# `tiered:<after>:shard`'s archive: PCA keys at 3 bits per kept component on average, 16 value codewords per 4 channels
-# (1 bit per value), a fit on at least 1,024 tokens, a new fit once a run's error is 50% above the first run's after the
-# fit (measured on SmolLM2 and Qwen2.5: docs/guide/tiers.md).
-ARCHIVE_KEY_BITS = 3
-ARCHIVE_CODEBOOK = 16
+# `tiered:<after>:shard`'s archive: PCA keys at 4 bits per kept component on average, 64 value codewords per 4 channels
+# (1.5 bits per value), a fit on at least 1,024 tokens, a new fit once a run's error is 50% above the first run's after
+# the fit. Its warm tier is 4-bit because the archive codes what the warm tier decodes: with the default's 3/2-bit warm
+# codecs the same archive lost a point more (SmolLM2, 8K: docs/guide/tiers.md).
+ARCHIVE_KEY_BITS = 4
+ARCHIVE_CODEBOOK = 64
 ARCHIVE_FIT_TOKENS = 1024
 ARCHIVE_REFIT = 0.5
 
