@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", type=Path)
-    p.add_argument("--plot", type=Path, help="PNG: bytes per token against token age, one line per method (first draw)")
+    p.add_argument("--plot", type=Path, help="PNG: bytes per token against token age, one line per method (its first draw)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     model, tok = kvpack.load_model(args.model)
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> dict:
     seeds = [int(s) for s in args.seeds.split(",")]
     base = perplexity(model, ids, make_cache(model, "dynamic"), prefix=args.prompt, chunk=args.chunk,
                       n_score=args.follow, progress=False)
-    rows = []
+    rows, summary, firsts = [], [], []  # one row per (method, draw); the mean and range over draws per method
     for name in [m for m in args.methods.split(",") if m]:
         draws = []
         method_name, _, budget = name.partition("|budget=")
@@ -183,19 +183,20 @@ def main(argv: list[str] | None = None) -> dict:
                   + ", ".join(f"{k} {v['tokens']} tok {v['x_fp16']:.2f}x" for k, v in row["tiers"].items())
                   + f", fits/layer {row['fits_per_layer'][:1]}..{row['fits_per_layer'][-1:]}, {row['seconds']:.0f} s", flush=True)
         deltas = [d["ppl_delta_pct"] for d in draws]
-        rows.append({"method": name, "draws": draws, "mean_delta_pct": statistics.fmean(deltas),
-                     "min_delta_pct": min(deltas), "max_delta_pct": max(deltas),
-                     "sd_delta_pct": statistics.stdev(deltas) if len(deltas) > 1 else 0.0,
-                     "mean_x_fp16": statistics.fmean(d["x_fp16"] for d in draws)})
-        print(f"== {name}: mean {rows[-1]['mean_delta_pct']:+.2f}% ({min(deltas):+.2f} to {max(deltas):+.2f}), "
-              f"{rows[-1]['mean_x_fp16']:.2f}x", flush=True)
+        rows += draws
+        firsts.append(draws[0])
+        summary.append({"method": name, "draws": len(draws), "mean_delta_pct": statistics.fmean(deltas), "min_delta_pct": min(deltas),
+                        "max_delta_pct": max(deltas), "sd_delta_pct": statistics.stdev(deltas) if len(deltas) > 1 else 0.0,
+                        "mean_x_fp16": statistics.fmean(d["x_fp16"] for d in draws)})
+        print(f"== {name}: mean {summary[-1]['mean_delta_pct']:+.2f}% ({min(deltas):+.2f} to {max(deltas):+.2f}), "
+              f"{summary[-1]['mean_x_fp16']:.2f}x", flush=True)
     out = {"config": vars(args) | {"json": str(args.json), "plot": str(args.plot)}, "baseline_ppl": base.ppl,
-           "environment": environment("python experiments/archive_tier.py", argv), "rows": rows}
+           "environment": environment("python experiments/archive_tier.py", argv), "rows": rows, "summary": summary}
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(out, indent=1) + "\n")
     if args.plot:
-        plot(rows, args.plot, args.model)
+        plot(firsts, args.plot, args.model)
     return out
 
 
@@ -208,10 +209,10 @@ def plot(rows: list[dict], path: Path, model: str) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     for row in rows:
         xs, ys = [], []
-        for oldest, newest, value in row["draws"][0]["bytes_by_age"]:
+        for oldest, newest, value in row["bytes_by_age"]:
             xs += [oldest + 0.5, newest - 0.5]
             ys += [value, value]
-        ax.plot(xs, ys, label=row["method"])
+        ax.plot(xs, ys, label=row["method"].replace(f"@seed={row['seed']}", ""))
     ax.set_xlabel("token age (tokens behind the newest)")
     ax.invert_xaxis()  # oldest on the left, as the tokens arrived
     ax.set_ylabel("bytes per token (all layers, K+V)")
