@@ -161,6 +161,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--plot", type=Path, help="PNG: bytes per token against token age, one line per method (its first draw)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
+    env = environment("python experiments/archive_tier.py", argv)  # at the start: the tree the run's code came from
     model, tok = kvpack.load_model(args.model)
     ids = token_stream(tok, "news", args.prompt + args.follow + 1)
     kvpack.enable(model)
@@ -191,7 +192,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"== {name}: mean {summary[-1]['mean_delta_pct']:+.2f}% ({min(deltas):+.2f} to {max(deltas):+.2f}), "
               f"{summary[-1]['mean_x_fp16']:.2f}x", flush=True)
     out = {"config": vars(args) | {"json": str(args.json), "plot": str(args.plot)}, "baseline_ppl": base.ppl,
-           "environment": environment("python experiments/archive_tier.py", argv), "rows": rows, "summary": summary}
+           "environment": env, "rows": rows, "summary": summary}
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(out, indent=1) + "\n")
