@@ -118,7 +118,7 @@ def test_list_methods_resolve_to_themselves():
     names = list_methods()
     assert names == ["fp16", "int8", "turboquant:k4v4", "turboquant:k3v3", "turboquant:k3v2", "turboquant:k3v3+qjl",
                      "turboquant:k3v2+ropemean", "polarquant-int4", "qjl", "kivi:4", "kivi:2", "shard", "kvquant:4", "kvquant:3", "kvquant:2", "subspace:2",
-                     "tiered:512", "tiered:512:tq", "int4"]
+                     "tiered:512", "tiered:512:tq", "tiered:1024:shard", "int4"]
     assert [get_method(n).name for n in names] == names
 
 
