@@ -459,10 +459,15 @@ def _op_samples():
     kv = tuple(kivi_inputs(64, 4, 2, 4, t=64).values())
     enc = (torch.randn(B, H, 40, 64), torch.randn(H, 64), torch.rand(H, 64) + 0.5, torch.ones(H, 64), lloyd_max_codebook(64, 3, "gaussian").boundaries, 3)
     kenc = (torch.randn(B, H, 64, 80), 2, 32, "channel")
-    return {"tq_attention": tq, "int8_attention": i8, "kivi_attention": kv, "tq_encode": enc, "kivi_encode": kenc}
+    pool = torch.randint(0, 255, (6, H, 8, 44), dtype=torch.uint8)
+    pool[..., 0:4] = torch.tensor([0, 60, 0, 60], dtype=torch.uint8)  # fp16 norms of 1.0
+    paged = (torch.randn(B, H, 4, 64), torch.randn(B, H, 4, 1), pool, torch.tensor([[3, 1, 0], [5, 2, 4], [0, 1, 2]]), torch.zeros(B, dtype=torch.long),
+             torch.tensor([20, 13, 7]), [0, 2, 4, 28], lloyd_max_codebook(64, 3, "gaussian").centroids, 3,
+             lloyd_max_codebook(64, 2, "gaussian").centroids, 2, 0.125)
+    return {"tq_attention": tq, "int8_attention": i8, "kivi_attention": kv, "tq_encode": enc, "kivi_encode": kenc, "tq_paged_attention": paged}
 
 
-@pytest.mark.parametrize("op", ["tq_attention", "int8_attention", "kivi_attention", "tq_encode", "kivi_encode"])
+@pytest.mark.parametrize("op", ["tq_attention", "int8_attention", "kivi_attention", "tq_encode", "kivi_encode", "tq_paged_attention"])
 def test_opcheck(op):
     # opcheck raises on a failure; the result names each check and says whether it passed.
     results = torch.library.opcheck(getattr(torch.ops.kvpack, op).default, _op_samples()[op])

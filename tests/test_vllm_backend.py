@@ -160,6 +160,83 @@ def test_paged_attention_matches_dense_softmax_over_decoded_pages(method, d, cal
         torch.testing.assert_close(out[a:e], ref, atol=2e-4, rtol=2e-4)
 
 
+@pytest.mark.parametrize("bits", ["k3v2", "k4v4", "k2v3", "k1v1"])
+@pytest.mark.parametrize("rows", [1, 3, 16])
+def test_paged_kernel_matches_its_reference_and_a_dense_softmax(bits, rows):
+    """`kvpack::tq_paged_attention` reads rows through the block table where they lie: its C++ kernel agrees with the
+    pure-torch reference and both with a float64 softmax over the decoded rows of each sequence's own range (sequences
+    of different lengths and starts, one with no token, blocks out of order, every unwritten slot 0xFF)."""
+    from kvpack.kernels import cpu_lut, ops, reference
+
+    d, kv_heads, block_size = 64, 2, 16
+    fmt = PoolFormat(f"turboquant:{bits}", d, seed=2, calibrated=True)
+    specs = [(50, 1), (16, 1), (3, 1), (0, 1), (33, 1)]
+    codecs, pool, _, _, _, (_, lens, table), full = _batch(fmt, 6, kv_heads, d, block_size, specs, garbage=0xFF, seed=5)
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(len(specs), kv_heads, rows, d, generator=g)
+    q_rot, offset = codecs[0].kernel_query(q)
+    start = torch.tensor([0, 4, 0, 0, 31])
+    end = torch.minimum(lens.long(), torch.tensor([51, 17, 2, 0, 33]))  # sequence 3 reads nothing
+    args = (q_rot, offset, pool, table, start, end, list(fmt.offsets), codecs[0].kernel_table(q.device), fmt.bits[0],
+            codecs[1].kernel_table(q.device), fmt.bits[1], 0.3)
+    ref = reference.tq_paged_attention(*args)
+    if cpu_lut.available():
+        assert ops.implementation("tq_paged_attention", torch.device("cpu")) is cpu_lut.tq_paged_attention
+        for a, e in zip(cpu_lut.tq_paged_attention(*args), ref, strict=True):
+            torch.testing.assert_close(a, e, atol=1e-5, rtol=1e-5)
+    m, denom, o = ref
+    out = codecs[1].kernel_output(o, denom) / denom.clamp_min(1e-30)  # normalized, in the values' space
+    for s, (kf, vf) in enumerate(full):
+        a, e = int(start[s]), int(end[s])
+        if e <= a:
+            assert float(denom[s].abs().max()) == 0 and float(o[s].abs().max()) == 0
+            continue
+        kd, vd = _decoded(fmt, codecs, kf, vf)  # (kv, L, d)
+        scores = (q[s].double() @ kd[:, a:e].double().mT) * 0.3
+        dense = scores.softmax(-1) @ vd[:, a:e].double()
+        torch.testing.assert_close(out[s].double(), dense, atol=2e-4, rtol=2e-4)
+        torch.testing.assert_close(m[s, :, :, 0].double(), scores.amax(-1), atol=1e-4, rtol=1e-4)
+
+
+def test_paged_kernel_refuses_block_ids_outside_the_pool():
+    from kvpack.kernels import cpu_lut
+
+    if not cpu_lut.available():
+        pytest.skip("the C++ kernels did not build")
+    fmt = PoolFormat("turboquant:k3v2", 64)
+    codecs, pool, *_ = _batch(fmt, 2, 1, 64, 16, [(20, 1)], garbage=0)
+    q_rot, _ = codecs[0].kernel_query(torch.randn(1, 1, 2, 64))
+    args = (codecs[0].kernel_table(q_rot.device), 3, codecs[1].kernel_table(q_rot.device), 2, 0.125)
+    for bad in (-1, pool.shape[0]):
+        table = torch.tensor([[0, bad]])
+        with pytest.raises(RuntimeError, match="outside the pool"):
+            cpu_lut.tq_paged_attention(q_rot, None, pool, table, torch.tensor([0]), torch.tensor([21]), list(fmt.offsets), *args)
+    # a bad id past the sequence's range is never read
+    out = cpu_lut.tq_paged_attention(q_rot, None, pool, torch.tensor([[0, 1, -7]]), torch.tensor([0]), torch.tensor([21]), list(fmt.offsets), *args)
+    assert bool(torch.isfinite(out[2]).all())
+
+
+def test_paged_attention_decodes_through_the_kernel_and_its_reference_alike(monkeypatch):
+    """A decode batch takes `kvpack::tq_paged_attention` (no gather); under KVPACK_BACKEND=torch the same call runs the
+    op's reference, and a prefill chunk gathers: all agree."""
+    from kvpack.kernels import ops
+    from kvpack.serve import paged_pool
+
+    fmt = PoolFormat("turboquant:k3v2", 64, seed=1, calibrated=True)
+    codecs, pool, q, k, v, meta, _ = _batch(fmt, 6, 2, 64, 16, SPECS, garbage=0xFF, seed=3)
+    calls = []
+    real = paged_pool.ops.run
+    monkeypatch.setattr(paged_pool.ops, "run", lambda name, *a: calls.append(name) or real(name, *a))
+    fast = paged_attention(fmt, codecs, q, k, v, pool, *meta, 0.125, exact_chunk=False)
+    assert calls.count("tq_paged_attention") == 1  # the decode batch's one call
+    ops.set_backend("torch")
+    try:
+        slow = paged_attention(fmt, codecs, q, k, v, pool, *meta, 0.125, exact_chunk=False)
+    finally:
+        ops.set_backend(None)
+    torch.testing.assert_close(fast, slow, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("method", ["int8", "turboquant:k3v2"])
 def test_unwritten_slots_never_reach_attention(method):
     """The same batch over pools whose unwritten slots hold zeros, 0xFF (NaN fp16 norms) or 0x7C (large finite norms)

@@ -253,6 +253,16 @@ def tq_attention(q_rot, row_offset, k_codes, k_norm, k_cent, k_bits: int, v_code
                                      _checked_skip(skip, t), extra))
 
 
+def tq_paged_attention(q_rot, row_offset, pool, block_table, start, end, offsets, k_centroids, k_bits: int, v_centroids, v_bits: int, scale: float):
+    """`tq_attention` over a paged pool's rows read where they lie, through the block table (`reference.tq_paged_attention`
+    has the arguments). q_rot `(B, H, R <= 16, d)` f32, row_offset `(B, H, R, 1)` f32 or None, pool `(blocks, H, bs, C)`
+    uint8 contiguous (C even), block_table `(B, M)` int32 or int64, start/end `(B,)`. Block ids inside each sequence's
+    range are checked against the pool in C++ (a bad one raises; none is read)."""
+    off = torch.empty(0) if row_offset is None else row_offset
+    return tuple(extension().tq_paged_attention(q_rot, off, pool, block_table.long(), start.long(), end.long(), [int(o) for o in offsets],
+                                                k_centroids, k_bits, v_centroids, v_bits, float(scale)))
+
+
 def _check_turning(turning: tuple, q_shape: tuple[int, int, int, int]) -> None:
     """The `turning` tensors' dtypes and shapes against the query's `(B, H, R, d)`."""
     if len(turning) != 6:

@@ -276,6 +276,14 @@ tq_attention = define(
 )
 
 
+tq_paged_attention = define(
+    "tq_paged_attention",
+    "(Tensor q_rot, Tensor? row_offset, Tensor pool, Tensor block_table, Tensor start, Tensor end, int[] offsets, Tensor k_centroids, "
+    "SymInt k_bits, Tensor v_centroids, SymInt v_bits, float scale) -> (Tensor, Tensor, Tensor)",
+    reference.tq_paged_attention,
+    lambda q_rot, *args: partial_fake(q_rot, q_rot.shape[-1]),
+)
+
 def _int8_cpu(q, k_codes, k_scale, v_codes, v_scale, scale, bias=None, softcap=0.0, skip=None):
     """`cpu_lut.dense_attention` (int8 rows, fp16 per-token scales) behind the op's arguments; masked,
     softcapped, non-float32 or empty calls take the reference."""

@@ -428,6 +428,51 @@ def tq_attention(
     return online_softmax((b, h, r), d, k_codes.shape[2], TOKEN_CHUNK, scores, values, scale, bias, softcap, compute_dtype, q.device)
 
 
+def paged_rows(pool: torch.Tensor, block_table: torch.Tensor, start: torch.Tensor, end: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows `(B, H, T, C)` of a paged pool `(blocks, H, bs, C)` uint8, T = max(end), sequence b's token t from block
+    `block_table[b, t // bs]` at slot `t % bs`, zero outside `[start[b], end[b])`; and that mask `(B, T)` bool. A block id
+    is read only inside the range (the rest of a table may hold anything)."""
+    b, bs = block_table.shape[0], pool.shape[2]
+    t = torch.arange(int(end.max()) if b else 0, device=pool.device)
+    live = (t[None] >= start[:, None]) & (t[None] < end[:, None])
+    column = (t // bs).clamp_max(max(block_table.shape[1] - 1, 0))
+    ids = torch.where(live, block_table.long()[:, column], 0)
+    rows = pool[ids, :, t % bs].transpose(1, 2)  # (B, T, H, C) -> (B, H, T, C)
+    return rows * live[:, None, :, None], live
+
+
+def tq_paged_attention(
+    q_rot: torch.Tensor,
+    row_offset: torch.Tensor | None,
+    pool: torch.Tensor,
+    block_table: torch.Tensor,
+    start: torch.Tensor,
+    end: torch.Tensor,
+    offsets: list[int],
+    k_centroids: torch.Tensor,
+    k_bits: int,
+    v_centroids: torch.Tensor,
+    v_bits: int,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`tq_attention` over a paged pool's rows: `pool (blocks, H, bs, C)` uint8, one row of C bytes per (token, head)
+    holding the key's and the value's fp16 norm at byte offsets `offsets[0]`, `offsets[1]` and their scalar codes at
+    `offsets[2]`, `offsets[3]`; sequence b reads its tokens `[start[b], end[b])` (`(B,)` int64) through `block_table (B, M)`
+    (`paged_rows`). q_rot `(B, H, R, d)`, row_offset `(B, H, R, 1)` or None, as in `tq_attention`; a sequence with no
+    token gives m = l = o = 0."""
+    expect("pool", pool, (torch.uint8,), (None, q_rot.shape[1], None, None), q_rot.device)
+    d = q_rot.shape[-1]
+    rows, live = paged_rows(pool, block_table, start, end)
+    kn, vn, kc, vc = offsets
+
+    def field(at: int, width: int) -> torch.Tensor:
+        return rows[..., at : at + width].contiguous()
+
+    bias = torch.zeros(live.shape, device=q_rot.device).masked_fill(~live, float("-inf"))[:, None, None, :]
+    return tq_attention(q_rot, field(kc, packed_length(d, k_bits)), field(kn, 2).view(torch.float16), k_centroids, k_bits,
+                        field(vc, packed_length(d, v_bits)), field(vn, 2).view(torch.float16), v_centroids, v_bits, d, scale, row_offset, bias)
+
+
 def int8_attention(
     q: torch.Tensor,
     k_codes: torch.Tensor,

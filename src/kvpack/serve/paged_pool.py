@@ -34,14 +34,16 @@ from dataclasses import dataclass
 
 import torch
 
-from ..codecs.base import Codec, Packed
+from ..codecs.base import Codec, Packed, group_query, ungroup
 from ..codecs.int8 import Int8Codec, Int8Config, Int8Packed
 from ..codecs.turboquant import TurboQuantCodec, TurboQuantConfig, TurboQuantPacked
+from ..kernels import ops
 
 KEY_CHANNEL_SCALE = 0.5  # calibrated keys: RMS^0.5 per channel, as kvpack's turboquant:kXvY methods scale them
 POOL_METHODS = ("int8", "turboquant:kXvY (X, Y in 1..4)")
 NORM_BYTES = 2  # fp16 scale or norm per (token, head) and side
 ROW_CHUNK = 512  # query rows per score matrix in a prefill: bounds the (heads, rows, tokens) float temporary
+PAGED_ROWS = 16  # query rows per kv head that the paged kernel takes (a decode step's GQA group, or a short chunk's)
 
 
 @dataclass(frozen=True)
@@ -98,6 +100,11 @@ class PoolFormat:
         """Bytes per (token, head): both scales or norms and both sides' codes."""
         return 2 * NORM_BYTES + sum(self.code_bytes)
 
+    @property
+    def offsets(self) -> tuple[int, int, int, int]:
+        """Byte offsets within a row of the key's and the value's scale or norm, then of their codes."""
+        return 0, NORM_BYTES, 2 * NORM_BYTES, 2 * NORM_BYTES + self.code_bytes[0]
+
     def codecs(self, kv_heads: int, layer_idx: int, state: dict[str, torch.Tensor] | None = None) -> tuple[Codec, Codec]:
         """The (key, value) codecs of one layer: static, seeded per (layer, head); when `calibrated`, loaded with the
         layer's `state` (key_mean, key_scale, value_mean `(kv_heads, d)` float32, from `pool_calibration`)."""
@@ -150,10 +157,11 @@ def unpack_rows(fmt: PoolFormat, rows: torch.Tensor) -> tuple[Packed, Packed]:
     """Packed key and value blocks `(b, kv_heads, tokens, ·)` of pool rows `rows (b, kv_heads, tokens, row_bytes)`."""
     kc, vc = fmt.code_bytes
     n = rows.shape[2]
-    ks = rows[..., 0:NORM_BYTES].contiguous().view(torch.float16)
-    vs = rows[..., NORM_BYTES : 2 * NORM_BYTES].contiguous().view(torch.float16)
-    k_codes = rows[..., 2 * NORM_BYTES : 2 * NORM_BYTES + kc].contiguous()
-    v_codes = rows[..., 2 * NORM_BYTES + kc :].contiguous()
+    kn, vn, kat, vat = fmt.offsets
+    ks = rows[..., kn : kn + NORM_BYTES].contiguous().view(torch.float16)
+    vs = rows[..., vn : vn + NORM_BYTES].contiguous().view(torch.float16)
+    k_codes = rows[..., kat : kat + kc].contiguous()
+    v_codes = rows[..., vat : vat + vc].contiguous()
     if fmt.bits is None:
         return Int8Packed(n, k_codes.view(torch.int8), ks), Int8Packed(n, v_codes.view(torch.int8), vs)
     return TurboQuantPacked(n, ks, k_codes), TurboQuantPacked(n, vs, v_codes)
@@ -201,15 +209,19 @@ def _merge(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> torc
 def _band_partial(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor, lo: torch.Tensor,
                   hi: torch.Tensor, scale: float) -> tuple[torch.Tensor, ...]:
     """Partial of `query (b, heads, r, d)` over exact `key, value (b, S, kv_heads, d)` at token `positions (b, S)`, query
-    row i of sequence s seeing the tokens whose position is in `[lo[s, i], hi[s, i]]` (`lo, hi (b, r)`)."""
-    group = query.shape[1] // key.shape[2]
-    k = key.float().transpose(1, 2).repeat_interleave(group, 1)  # (b, heads, S, d)
-    v = value.float().transpose(1, 2).repeat_interleave(group, 1)
-    s = (query.float() @ k.mT) * scale  # (b, heads, r, S)
-    pos = positions[:, None, None, :]
-    hidden = (pos < lo[:, None, :, None]) | (pos > hi[:, None, :, None])
-    m, denom, p = _partial(s.masked_fill(hidden, float("-inf")))
-    return m, denom, p @ v
+    row i of sequence s seeing token j when `lo[s, i, j] <= positions[s, j] <= hi[s, i]` (`lo (b, r)` or `(b, r, S)`,
+    `hi (b, r)`). The query is grouped by kv head, so keys and values are read once per kv head, not copied per head."""
+    b, heads, r, d = query.shape
+    kv = key.shape[2]
+    k = key.float().transpose(1, 2)  # (b, kv, S, d)
+    v = value.float().transpose(1, 2)
+    s = (group_query(query.float(), kv) @ k.mT).view(b, kv, heads // kv, r, -1) * scale  # (b, kv, group, r, S)
+    lo = lo if lo.dim() == 3 else lo[:, :, None]
+    pos = positions[:, None, :]
+    hidden = (pos < lo) | (pos > hi[:, :, None])  # (b, r, S)
+    m, denom, p = _partial(s.masked_fill(hidden[:, None, None], float("-inf")))
+    o = p.view(b, kv, heads // kv * r, -1) @ v  # (b, kv, group * r, d)
+    return m.view(b, heads, r, 1), denom.view(b, heads, r, 1), o.view(b, heads, r, d)
 
 
 def history_partial(fmt: PoolFormat, codecs: tuple[Codec, Codec], query: torch.Tensor, rows: torch.Tensor, visible: torch.Tensor,
@@ -223,6 +235,29 @@ def history_partial(fmt: PoolFormat, codecs: tuple[Codec, Codec], query: torch.T
     hidden = (t[None, None, None, :] >= visible[:, None, :, None]) | (t < first)[None, None, None, :]
     m, denom, p = _partial(s.masked_fill(hidden, float("-inf")))
     return m, denom, codecs[1].weighted_sum(p, v)
+
+
+def pool_partial(fmt: PoolFormat, codecs: tuple[Codec, Codec], query: torch.Tensor, pool: torch.Tensor, block_table: torch.Tensor,
+                 visible: torch.Tensor, scale: float, first: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`history_partial` of `query (b, heads, r, d)` over sequences whose blocks are `block_table (b, ·)` in `pool`.
+
+    TurboQuant rows whose query rows of a sequence all see the same tokens (a decode step; `visible (b, r)` equal
+    along r) and fit the kernel (`PAGED_ROWS` rows per kv head) are read where they lie, through the block table, by
+    `kvpack::tq_paged_attention` (C++ on CPU, its pure-torch reference elsewhere): no gather, no float keys. Other
+    calls gather the sequences' rows (`gather_rows`) and run the codecs' ops on them."""
+    kv = pool.shape[1]
+    rows_per_head = query.shape[1] // kv * query.shape[2]
+    if (fmt.bits is not None and rows_per_head <= PAGED_ROWS and pool.is_contiguous() and fmt.row_bytes % 2 == 0
+            and bool((visible == visible[:, :1]).all())):
+        kc, vc = codecs
+        q_rot, offset = kc.kernel_query(group_query(query.float(), kv))
+        start = torch.full((query.shape[0],), first, dtype=torch.int64)
+        m, denom, o = ops.run("tq_paged_attention", q_rot, offset, pool, block_table, start, visible[:, 0].long(), list(fmt.offsets),
+                              kc.kernel_table(query.device), fmt.bits[0], vc.kernel_table(query.device), fmt.bits[1], scale)
+        heads = query.shape[1]
+        return ungroup(m, heads), ungroup(denom, heads), ungroup(vc.kernel_output(o, denom), heads)
+    rows = gather_rows(pool, block_table, visible.amax(1))
+    return history_partial(fmt, codecs, query, rows, visible, scale, first)
 
 
 def paged_attention(fmt: PoolFormat, codecs: tuple[Codec, Codec], query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -258,18 +293,24 @@ def paged_attention(fmt: PoolFormat, codecs: tuple[Codec, Codec], query: torch.T
             lo = torch.minimum(lo, before)
         parts = []
         if int(lo.max()) > first:
-            rows = gather_rows(pool, block_table[sel], lo.amax(1))
-            parts.append(history_partial(fmt, codecs, q, rows, lo, scale, first))
-        if sinks is not None:
-            spos = torch.arange(first, device=q.device).expand(len(sel), first)
-            parts.append(_band_partial(q, sinks[0][sel], sinks[1][sel], spos, torch.zeros_like(pos), pos, scale))
-        ek, ev = k_new, v_new
-        epos = before + torch.arange(k_new.shape[1], device=q.device)[None]
+            parts.append(pool_partial(fmt, codecs, q, pool, block_table[sel], lo, scale, first))
+        # One exact band: the sinks (each read from position 0 on), then the window and the step's tokens (each read
+        # from `lo` on, and never below the sinks they would repeat).
+        ek, ev = [k_new], [v_new]
+        epos = [before + torch.arange(k_new.shape[1], device=q.device)[None]]
+        elo = [lo.clamp_min(first)[:, :, None].expand(-1, -1, k_new.shape[1])]
         if width:
-            ek, ev = torch.cat([window[0][sel].to(k_new.dtype), k_new], 1), torch.cat([window[1][sel].to(v_new.dtype), v_new], 1)
-            epos = torch.cat([before - width + torch.arange(width, device=q.device)[None], epos], 1)
-        parts.append(_band_partial(q, ek, ev, epos, lo.clamp_min(first), pos, scale))
-        return _merge(parts)
+            ek.insert(0, window[0][sel].to(k_new.dtype))
+            ev.insert(0, window[1][sel].to(v_new.dtype))
+            epos.insert(0, before - width + torch.arange(width, device=q.device)[None])
+            elo.insert(0, lo.clamp_min(first)[:, :, None].expand(-1, -1, width))
+        if sinks is not None:
+            ek.insert(0, sinks[0][sel].to(k_new.dtype))
+            ev.insert(0, sinks[1][sel].to(v_new.dtype))
+            epos.insert(0, torch.arange(first, device=q.device).expand(len(sel), first))
+            elo.insert(0, torch.zeros(len(sel), pos.shape[1], first, dtype=lo.dtype, device=q.device))
+        parts.append(_band_partial(q, torch.cat(ek, 1), torch.cat(ev, 1), torch.cat(epos, 1), torch.cat(elo, 2), pos, scale))
+        return parts[0][2] / parts[0][1].clamp_min(torch.finfo(torch.float32).tiny) if len(parts) == 1 else _merge(parts)
 
     decode = [s for s in range(len(lens)) if starts[s + 1] - starts[s] == 1]
     if decode:

@@ -60,12 +60,15 @@ torch::Tensor head_matmul(torch::Tensor x, torch::Tensor w, torch::Tensor s, tor
   auto out = torch::empty({B, H, R, E}, x.options());
   const float* xs = x.data_ptr<float>();
   const float* ws = w.data_ptr<float>();
+  // Raw pointers hoisted out of the loops: data_ptr<T>() checks the dtype on every call.
+  const float* sp = affine ? s.data_ptr<float>() : nullptr;
+  const float* bp = affine ? bias.data_ptr<float>() : nullptr;
   float* dst = out.data_ptr<float>();
   for (int64_t row = 0; row < B * H * R; ++row) {
     const int64_t h = (row / R) % H;
     const float* xr = xs + row * D;
     float* o = dst + row * E;
-    for (int64_t e = 0; e < E; ++e) o[e] = affine ? s.data_ptr<float>()[row] * bias.data_ptr<float>()[h * E + e] : 0.f;
+    for (int64_t e = 0; e < E; ++e) o[e] = affine ? sp[row] * bp[h * E + e] : 0.f;
     for (int64_t k = 0; k < D; ++k) {
       const float xk = xr[k];
       const float* wk = ws + h * sh + k * sk;
@@ -94,13 +97,18 @@ torch::Tensor fwht_rows(torch::Tensor x, torch::Tensor pre, torch::Tensor post, 
   TORCH_CHECK(!affine || (s.numel() == B * H * R && bias.numel() == H * D), "fwht_rows: s (B, H, R, 1) and bias (H, D)");
   auto out = torch::empty({B, H, R, D}, x.options());
   const float* xs = x.data_ptr<float>();
+  // Raw pointers hoisted out of the loops: data_ptr<T>() checks the dtype on every call.
+  const float* prep = has_pre ? pre.data_ptr<float>() : nullptr;
+  const float* postp = has_post ? post.data_ptr<float>() : nullptr;
+  const float* sp = affine ? s.data_ptr<float>() : nullptr;
+  const float* bp = affine ? bias.data_ptr<float>() : nullptr;
   float* dst = out.data_ptr<float>();
   const float norm = 1.f / std::sqrt(static_cast<float>(D));
   for (int64_t row = 0; row < B * H * R; ++row) {
     const int64_t h = (row / R) % H;
     float* y = dst + row * D;
     const float* xr = xs + row * D;
-    for (int64_t j = 0; j < D; ++j) y[j] = has_pre ? xr[j] * pre.data_ptr<float>()[h * D + j] : xr[j];
+    for (int64_t j = 0; j < D; ++j) y[j] = has_pre ? xr[j] * prep[h * D + j] : xr[j];
     for (int64_t len = 1; len < D; len <<= 1) {
       for (int64_t i = 0; i < D; i += 2 * len) {
         for (int64_t j = i; j < i + len; ++j) {
@@ -112,8 +120,8 @@ torch::Tensor fwht_rows(torch::Tensor x, torch::Tensor pre, torch::Tensor post, 
     }
     for (int64_t j = 0; j < D; ++j) {
       float v = y[j] * norm;
-      if (has_post) v *= post.data_ptr<float>()[h * D + j];
-      if (affine) v += s.data_ptr<float>()[row] * bias.data_ptr<float>()[h * D + j];
+      if (has_post) v *= postp[h * D + j];
+      if (affine) v += sp[row] * bp[h * D + j];
       y[j] = v;
     }
   }

@@ -67,10 +67,12 @@ struct VecT {
   typedef float type __attribute__((vector_size(sizeof(float) * W)));  // W lanes, one register
 };
 
-// Scores of one block of tokens for one row block: out[w][t] = norm[t] * sum_u tab[u][idx][w].
+// Scores of one block of tokens for one row block: out[w][t] = norm[t] * sum_u tab[u][idx][w]. Token t's codes start
+// at codes + t * cstride and its norm is norm[t * nstride] (a segment's own tensors: nbytes and 1; a paged pool's
+// rows: the row size in bytes and in halves).
 template <bool PAIR3, int W>
 void score_tokens(const float* tables, const uint8_t* codes, const at::Half* norm, int64_t t0, int64_t t1, const Layout& L,
-                  float* out, int64_t T, int rows) {
+                  float* out, int64_t T, int rows, int64_t cstride, int64_t nstride) {
   using V = typename VecT<W>::type;
   constexpr int TT = 4;  // tokens in flight: independent add chains hide the add latency
   const int64_t unit_stride = static_cast<int64_t>(L.entries) * W;
@@ -79,7 +81,7 @@ void score_tokens(const float* tables, const uint8_t* codes, const at::Half* nor
   for (; t < t1; t += TT) {
     const int n = static_cast<int>(std::min<int64_t>(TT, t1 - t));
     const uint8_t* r[TT];
-    for (int i = 0; i < TT; ++i) r[i] = codes + (t + std::min(i, n - 1)) * L.nbytes;  // short tail: repeat the last row
+    for (int i = 0; i < TT; ++i) r[i] = codes + (t + std::min(i, n - 1)) * cstride;  // short tail: repeat the last row
     V acc[TT] = {};
     int u = 0;
     if (PAIR3) {
@@ -108,7 +110,7 @@ void score_tokens(const float* tables, const uint8_t* codes, const at::Half* nor
     for (int i = 0; i < n; ++i) buf[t - t0 + i] = acc[i];
   }
   for (int w = 0; w < rows; ++w)
-    for (int64_t i = t0; i < t1; ++i) out[w * T + i] = buf[i - t0][w] * static_cast<float>(norm[i]);
+    for (int64_t i = t0; i < t1; ++i) out[w * T + i] = buf[i - t0][w] * static_cast<float>(norm[i * nstride]);
 }
 
 // Work items are (batch*head, row block of <= W rows, block of tokens). One parallel region:
@@ -131,16 +133,17 @@ void lut_scores_impl(const float* q, const uint8_t* codes, const at::Half* norm,
         built = task;
       }
       const int64_t t0 = (i % nblocks) * kBlock, t1 = std::min(T, t0 + kBlock);
-      score_tokens<PAIR3, W>(table.data(), codes + bh * T * L.nbytes, norm + bh * T, t0, t1, L, out + (bh * R + r0) * T, T, rows);
+      score_tokens<PAIR3, W>(table.data(), codes + bh * T * L.nbytes, norm + bh * T, t0, t1, L, out + (bh * R + r0) * T, T, rows, L.nbytes, 1);
     }
   });
 }
 
 // acc[r][:] += sum_t p[r][t] * norm[t] * row_t over tokens [t0, t1), where row_t is token t's
-// centroid vector, decoded TT tokens at a time through the unit -> floats table `dec` (L1-sized).
+// centroid vector, decoded TT tokens at a time through the unit -> floats table `dec` (L1-sized). Strides as in
+// score_tokens.
 template <int BITS>
 void accumulate_tokens(const float* p, const uint8_t* codes, const at::Half* norm, int64_t t0, int64_t t1, const Layout& L,
-                       int64_t T, int R, const float* dec, float* rows_buf, float* __restrict acc) {
+                       int64_t T, int R, const float* dec, float* rows_buf, float* __restrict acc, int64_t cstride, int64_t nstride) {
   constexpr bool PAIR3 = BITS == 3;
   constexpr int CPU = PAIR3 ? 2 : 8 / BITS;
   constexpr int TT = 4;
@@ -151,13 +154,13 @@ void accumulate_tokens(const float* p, const uint8_t* codes, const at::Half* nor
     for (int i = 0; i < TT; ++i) {
       rw[i] = rows_buf + i * width;
       if (i >= n) continue;
-      const uint8_t* code_row = codes + (t + i) * L.nbytes;
+      const uint8_t* code_row = codes + (t + i) * cstride;
       for (int u = 0; u < L.units; ++u)
         std::memcpy(rw[i] + u * CPU, dec + unit_index<PAIR3>(code_row, u, L.nbytes) * CPU, sizeof(float) * CPU);
     }
     for (int r = 0; r < R; ++r) {
       float w[TT] = {};
-      for (int i = 0; i < n; ++i) w[i] = p[r * T + t + i] * static_cast<float>(norm[t + i]);
+      for (int i = 0; i < n; ++i) w[i] = p[r * T + t + i] * static_cast<float>(norm[(t + i) * nstride]);
       float* __restrict a = acc + r * L.d;
       const float *r0 = rw[0], *r1 = rw[1], *r2 = rw[2], *r3 = rw[3];
       for (int j = 0; j < L.d; ++j) a[j] += w[0] * r0[j] + w[1] * r1[j] + w[2] * r2[j] + w[3] * r3[j];
@@ -173,7 +176,7 @@ void lut_weighted_sum_impl(const float* p, const uint8_t* codes, const at::Half*
   for (int e = 0; e < L.entries; ++e)
     for (int k = 0; k < L.cpu; ++k) dec[e * L.cpu + k] = cent[(e >> (k * L.bits)) & L.mask];
   sliced_weighted_sum(BH, R, T, L.d, static_cast<int64_t>(L.units) * L.cpu, out, [&](int64_t bh, int64_t t0, int64_t t1, float* rows, float* acc) {
-    accumulate_tokens<BITS>(p + bh * R * T, codes + bh * T * L.nbytes, norm + bh * T, t0, t1, L, T, R, dec.data(), rows, acc);
+    accumulate_tokens<BITS>(p + bh * R * T, codes + bh * T * L.nbytes, norm + bh * T, t0, t1, L, T, R, dec.data(), rows, acc, L.nbytes, 1);
   });
 }
 
@@ -289,7 +292,7 @@ void tq_attention_impl(const float* q, const float* row_off, const uint8_t* kc, 
       }
       for (int64_t b0 = 0; b0 < n; b0 += kBlock)
         score_tokens<PAIR3, W>(table.data(), kc + bh * k_bh + t0 * KL.nbytes, kn + bh * kn_bh + t0, b0, std::min(n, b0 + kBlock), KL,
-                               s.data(), n, R);
+                               s.data(), n, R, KL.nbytes, 1);
       if (tn.M) add_turning_scores(tn, bh, R, t0, n, s.data());
       for (int r = 0; r < R; ++r) {
         const float off = row_off ? row_off[bh * R + r] : 0.f;
@@ -300,7 +303,7 @@ void tq_attention_impl(const float* q, const float* row_off, const uint8_t* kc, 
       float* pl = P.l.data() + i * R;
       softmax_rows(s.data(), n, R, n, pm, pl);
       accumulate_tokens<VBITS>(s.data(), vc + bh * v_bh + t0 * VL.nbytes, vn + bh * vn_bh + t0, 0, n, VL, n, R, dec.data(), rows_buf.data(),
-                               P.o.data() + i * R * VL.d);
+                               P.o.data() + i * R * VL.d, VL.nbytes, 1);
     }
   });
 }
@@ -313,6 +316,76 @@ void tq_attention_vbits(int vbits, const float* q, const float* row_off, const u
   auto run = vbits == 1 ? tq_attention_impl<PAIR3, W, 1> : vbits == 2 ? tq_attention_impl<PAIR3, W, 2>
            : vbits == 3 ? tq_attention_impl<PAIR3, W, 3> : tq_attention_impl<PAIR3, W, 4>;
   run(q, row_off, kc, k_bh, kn, kn_bh, kcent, KL, vc, v_bh, vn, vn_bh, vcent, VL, BH, R, T, scale, skip, tn, P);
+}
+
+// -- a paged pool of TurboQuant rows ----------------------------------------------------------------
+//
+// A serving engine's pool is (blocks, H, bs, C) uint8: one row of C bytes per (token, head), written once, holding
+// both sides' fp16 norms and codes at fixed byte offsets (kvpack/serve/paged_pool.py). Sequence b's token t lies in
+// block table[b][t / bs] at slot t % bs, so within a block a head's rows sit C bytes apart: the kernels above read them
+// there (stride C, norm stride C / 2 halves) with no gather into a temporary. Work items are (b, head, split of up to
+// kSplit tokens of [start[b], end[b])), each split walked block run by block run.
+struct PagedPool {
+  const uint8_t* pool;
+  int64_t H, bs, C;
+  const int64_t* table;  // (B, table_stride) block ids
+  int64_t table_stride;
+  int64_t k_norm, v_norm, k_code, v_code;  // byte offsets within a row
+};
+
+// f(t, run, k_codes, k_norm, v_codes, v_norm) for each run of tokens [t, t + run) of [t0, t1) that one block holds.
+template <typename F>
+inline void paged_runs(const PagedPool& pp, int64_t b, int64_t h, int64_t t0, int64_t t1, const F& f) {
+  for (int64_t t = t0; t < t1;) {
+    const int64_t blk = pp.table[b * pp.table_stride + t / pp.bs], off = t % pp.bs;
+    const int64_t run = std::min({pp.bs - off, t1 - t, kBlock});
+    const uint8_t* row = pp.pool + ((blk * pp.H + h) * pp.bs + off) * pp.C;
+    f(t, run, row + pp.k_code, reinterpret_cast<const at::Half*>(row + pp.k_norm), row + pp.v_code,
+      reinterpret_cast<const at::Half*>(row + pp.v_norm));
+    t += run;
+  }
+}
+
+template <bool PAIR3, int W, int VBITS>
+void tq_paged_impl(const float* q, const float* row_off, const PagedPool& pp, const int64_t* start, const int64_t* end, const float* kcent,
+                   const Layout& KL, const float* vcent, const Layout& VL, int64_t B, int R, float scale, Partials& P) {
+  const int64_t H = pp.H, splits = P.splits, cstride = pp.C, nstride = pp.C / 2;
+  const int64_t unit_stride = static_cast<int64_t>(KL.entries) * W;
+  std::vector<float> dec(static_cast<int64_t>(VL.entries) * VL.cpu);
+  for (int e = 0; e < VL.entries; ++e)
+    for (int k = 0; k < VL.cpu; ++k) dec[e * VL.cpu + k] = vcent[(e >> (k * VL.bits)) & VL.mask];
+  int64_t work = 0;
+  for (int64_t b = 0; b < B; ++b) work += std::max<int64_t>(0, end[b] - start[b]) * H * R;
+  for_items(B * H * splits, work, [&](const auto& next) {
+    std::vector<float> table(KL.units * unit_stride);
+    std::vector<float> s(static_cast<int64_t>(R) * kSplit);
+    std::vector<float> rows_buf(4 * static_cast<int64_t>(VL.units) * VL.cpu, 0.f);
+    int64_t built = -1;
+    for (int64_t i; (i = next()) >= 0;) {
+      const int64_t bh = i / splits, sp = i % splits, b = bh / H, h = bh % H;
+      const int64_t t0 = start[b] + sp * kSplit, t1 = std::min(end[b], t0 + kSplit), n = t1 - t0;
+      if (n <= 0) continue;  // m = l = 0, o = 0: the merge leaves the split out
+      if (bh != built) {
+        for (int u = 0; u < KL.units; ++u)
+          build_unit_table<W>(q + bh * R * KL.d, KL.d, R, u * KL.cpu, KL, kcent, table.data() + u * unit_stride);
+        built = bh;
+      }
+      paged_runs(pp, b, h, t0, t1, [&](int64_t t, int64_t run, const uint8_t* kc, const at::Half* kn, const uint8_t*, const at::Half*) {
+        score_tokens<PAIR3, W>(table.data(), kc, kn, 0, run, KL, s.data() + (t - t0), n, R, cstride, nstride);
+      });
+      for (int r = 0; r < R; ++r) {
+        const float off = row_off ? row_off[bh * R + r] : 0.f;
+        for (int64_t t = 0; t < n; ++t) s[r * n + t] = (s[r * n + t] + off) * scale;
+      }
+      float* pm = P.m.data() + i * R;
+      float* pl = P.l.data() + i * R;
+      softmax_rows(s.data(), n, R, n, pm, pl);
+      float* acc = P.o.data() + i * R * VL.d;
+      paged_runs(pp, b, h, t0, t1, [&](int64_t t, int64_t run, const uint8_t*, const at::Half*, const uint8_t* vc, const at::Half* vn) {
+        accumulate_tokens<VBITS>(s.data() + (t - t0), vc, vn, 0, run, VL, n, R, dec.data(), rows_buf.data(), acc, cstride, nstride);
+      });
+    }
+  });
 }
 
 // -- trellis-coded TurboQuant rows ----------------------------------------------------------------
@@ -516,6 +589,67 @@ std::vector<torch::Tensor> tq_attention(torch::Tensor q, torch::Tensor row_offse
   return out;
 }
 
+// Online-softmax partial over a paged pool's TurboQuant rows: q (B, H, R, d) f32 rotated for the key codec, row_offset
+// (B, H, R, 1) f32 or empty, pool (blocks, H, bs, C) uint8, block_table (B, M) int64, start/end (B,) int64 each
+// sequence's token range read, offsets (k_norm, v_norm, k_code, v_code) bytes within a row. Block ids and strides
+// were checked by the launcher (kvpack.kernels.cpu_lut.tq_paged_attention); checked again here where cheap.
+std::vector<torch::Tensor> tq_paged_attention(torch::Tensor q, torch::Tensor row_offset, torch::Tensor pool, torch::Tensor block_table,
+                                              torch::Tensor start, torch::Tensor end, std::vector<int64_t> offsets, torch::Tensor k_cent,
+                                              int64_t k_bits, torch::Tensor v_cent, int64_t v_bits, double scale) {
+  q = q.contiguous();
+  if (row_offset.numel()) row_offset = row_offset.contiguous();
+  block_table = block_table.contiguous();
+  start = start.contiguous();
+  end = end.contiguous();
+  TORCH_CHECK(pool.dim() == 4 && pool.is_contiguous() && pool.scalar_type() == at::kByte, "pool must be a contiguous (blocks, H, bs, C) uint8 tensor");
+  TORCH_CHECK(pool.size(3) % 2 == 0, "pool rows must hold an even number of bytes (their fp16 norms are read in place)");
+  TORCH_CHECK(offsets.size() == 4, "offsets are (k_norm, v_norm, k_code, v_code)");
+  TORCH_CHECK(offsets[0] % 2 == 0 && offsets[1] % 2 == 0 && offsets[0] + 2 <= pool.size(3) && offsets[1] + 2 <= pool.size(3),
+              "the fp16 norms must lie at even byte offsets within a row");
+  TORCH_CHECK(k_cent.numel() == (int64_t{1} << k_bits) && v_cent.numel() == (int64_t{1} << v_bits), "paged rows hold scalar codes");
+  const int64_t B = q.size(0), H = q.size(1), R = q.size(2), d = q.size(3);
+  TORCH_CHECK(R <= 16, "tq_paged_attention serves up to 16 query rows per kv head, got ", R);
+  TORCH_CHECK(pool.size(1) == H, "the pool's heads (", pool.size(1), ") must match the query's kv heads (", H, ")");
+  const Layout KL = make_layout(static_cast<int>(k_bits), static_cast<int>(d));
+  const Layout VL = make_layout(static_cast<int>(v_bits), static_cast<int>(d));
+  TORCH_CHECK(q.scalar_type() == at::kFloat && offsets[2] >= 0 && offsets[3] >= 0 && offsets[2] + KL.nbytes <= pool.size(3) &&
+                  offsets[3] + VL.nbytes <= pool.size(3), "the codes must lie within a row of ", pool.size(3), " bytes (and q be float32)");
+  const int64_t* st = start.data_ptr<int64_t>();
+  const int64_t* en = end.data_ptr<int64_t>();
+  TORCH_CHECK(block_table.scalar_type() == at::kLong && block_table.dim() == 2 && block_table.size(0) == B && start.numel() == B &&
+                  end.numel() == B, "block_table (B, M) int64 and start, end (B,) int64 must match the query's batch");
+  const int64_t* ids = block_table.data_ptr<int64_t>();
+  const int64_t bs = pool.size(2), blocks = pool.size(0), M = block_table.size(1);
+  int64_t longest = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    if (en[b] <= st[b]) continue;
+    TORCH_CHECK(st[b] >= 0 && (en[b] - 1) / bs < M, "sequence ", b, " reads tokens [", st[b], ", ", en[b], ") past its block table's ", M, " blocks");
+    for (int64_t j = st[b] / bs; j <= (en[b] - 1) / bs; ++j)  // an id out of the pool would read foreign memory
+      TORCH_CHECK(ids[b * M + j] >= 0 && ids[b * M + j] < blocks, "sequence ", b, " block ", j, " is ", ids[b * M + j], ", outside the pool's ", blocks, " blocks");
+    longest = std::max(longest, en[b] - st[b]);
+  }
+  auto out = partial_outputs(q, d);
+  Partials P(B * H, R, d, split_count(longest));
+  const PagedPool pp{pool.data_ptr<uint8_t>(), H, bs, pool.size(3), ids, M,
+                     offsets[0], offsets[1], offsets[2], offsets[3]};
+  if (longest > 0) {
+    const float* off = row_offset.numel() ? row_offset.data_ptr<float>() : nullptr;
+    const int vb = static_cast<int>(v_bits);
+#define KVP_TQP(PAIR3, W) { auto run = vb == 1 ? tq_paged_impl<PAIR3, W, 1> : vb == 2 ? tq_paged_impl<PAIR3, W, 2> \
+      : vb == 3 ? tq_paged_impl<PAIR3, W, 3> : tq_paged_impl<PAIR3, W, 4>; \
+      run(q.data_ptr<float>(), off, pp, st, en, k_cent.data_ptr<float>(), KL, v_cent.data_ptr<float>(), VL, B, static_cast<int>(R), \
+          static_cast<float>(scale), P); }
+    if (k_bits == 3) {
+      if (R == 1) KVP_TQP(true, 1) else if (R <= 4) KVP_TQP(true, 4) else if (R <= 8) KVP_TQP(true, 8) else KVP_TQP(true, 16)
+    } else {
+      if (R == 1) KVP_TQP(false, 1) else if (R <= 4) KVP_TQP(false, 4) else if (R <= 8) KVP_TQP(false, 8) else KVP_TQP(false, 16)
+    }
+#undef KVP_TQP
+  }
+  P.merge(out[0].data_ptr<float>(), out[1].data_ptr<float>(), out[2].data_ptr<float>());
+  return out;
+}
+
 }  // namespace
 }  // namespace kvpack
 
@@ -524,4 +658,5 @@ KVPACK_BIND(m) {
   m.def("lut_scores", &lut_scores, "TurboQuant scores from a per-unit lookup table of query x centroid partial sums");
   m.def("lut_weighted_sum", &lut_weighted_sum, "TurboQuant probability-weighted centroid sum, rotated space");
   m.def("tq_attention", &tq_attention, "online-softmax partial (m, l, o) over a TurboQuant K/V segment, V in the rotated space");
+  m.def("tq_paged_attention", &tq_paged_attention, "online-softmax partial (m, l, o) over a paged pool's TurboQuant rows, read through a block table");
 }
