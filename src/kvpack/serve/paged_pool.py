@@ -33,6 +33,7 @@ import re
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from ..codecs.base import Codec, Packed, group_query, ungroup
 from ..codecs.int8 import Int8Codec, Int8Config, Int8Packed
@@ -206,19 +207,35 @@ def _merge(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> torc
     return num / den.clamp_min(torch.finfo(torch.float32).tiny)
 
 
+# torch's CPU flash attention with its log-sum-exp (private, so looked up once and used only where present): an exact band
+# of a prefill chunk is a few hundred keys per query row, where score matrices built in torch ops cost 4x its time.
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
 def _band_partial(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor, lo: torch.Tensor,
                   hi: torch.Tensor, scale: float) -> tuple[torch.Tensor, ...]:
     """Partial of `query (b, heads, r, d)` over exact `key, value (b, S, kv_heads, d)` at token `positions (b, S)`, query
     row i of sequence s seeing token j when `lo[s, i, j] <= positions[s, j] <= hi[s, i]` (`lo (b, r)` or `(b, r, S)`,
-    `hi (b, r)`). The query is grouped by kv head, so keys and values are read once per kv head, not copied per head."""
+    `hi (b, r)`; a row that sees none gets m = l = o = 0). Decode rows: one grouped product per kv head. Longer
+    chunks: torch's CPU flash attention, whose normalized output and log-sum-exp are the partial (m = lse, l = 1)."""
     b, heads, r, d = query.shape
     kv = key.shape[2]
-    k = key.float().transpose(1, 2)  # (b, kv, S, d)
-    v = value.float().transpose(1, 2)
-    s = (group_query(query.float(), kv) @ k.mT).view(b, kv, heads // kv, r, -1) * scale  # (b, kv, group, r, S)
     lo = lo if lo.dim() == 3 else lo[:, :, None]
     pos = positions[:, None, :]
     hidden = (pos < lo) | (pos > hi[:, :, None])  # (b, r, S)
+    if r > 1 and _FLASH_CPU is not None and query.device.type == "cpu" and query.dtype in (torch.float32, torch.bfloat16):
+        dtype = query.dtype
+        k = key.to(dtype).transpose(1, 2).repeat_interleave(heads // kv, 1)  # (b, heads, S, d)
+        v = value.to(dtype).transpose(1, 2).repeat_interleave(heads // kv, 1)
+        mask = torch.zeros(hidden.shape, dtype=dtype).masked_fill_(hidden, float("-inf"))[:, None]
+        out, lse = _FLASH_CPU(query, k, v, 0.0, False, attn_mask=mask, scale=scale)
+        empty = hidden.all(-1)[:, None, :, None]  # rows that see no token here (m = l = o = 0, not NaN)
+        zero = torch.zeros((), dtype=torch.float32)
+        return (torch.where(empty, zero, lse.float().view(b, heads, r, 1)), (~empty).float().expand(b, heads, r, 1),
+                torch.where(empty, zero, out.float()))
+    k = key.float().transpose(1, 2)  # (b, kv, S, d)
+    v = value.float().transpose(1, 2)
+    s = (group_query(query.float(), kv) @ k.mT).view(b, kv, heads // kv, r, -1) * scale  # (b, kv, group, r, S)
     m, denom, p = _partial(s.masked_fill(hidden[:, None, None], float("-inf")))
     o = p.view(b, kv, heads // kv * r, -1) @ v  # (b, kv, group * r, d)
     return m.view(b, heads, r, 1), denom.view(b, heads, r, 1), o.view(b, heads, r, d)
@@ -324,6 +341,12 @@ def paged_attention(fmt: PoolFormat, codecs: tuple[Codec, Codec], query: torch.T
         if n <= 1:
             continue
         before = torch.tensor([[lens[s] - n]])
+        if exact_chunk and lens[s] == n and query.device.type == "cpu":
+            # A sequence's first step: nothing before it is stored, its sinks are its own first tokens and its window
+            # holds nothing, so its attention is causal attention over the step's exact keys and values.
+            q, k, v = (x[a:e].to(query.dtype).transpose(0, 1).contiguous()[None] for x in (query, key, value))  # (1, heads, n, d)
+            out[a:e] = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)[0].transpose(0, 1)
+            continue
         for c in range(0, n, ROW_CHUNK):
             ce = min(c + ROW_CHUNK, n)
             q = query[a + c : a + ce].transpose(0, 1).unsqueeze(0)  # (1, heads, r, d)

@@ -258,7 +258,11 @@ class KVPackAttentionImpl(CPUAttentionBackendImpl):
         if self._window is not None:
             plan = _WINDOW_SLOTS["slots"].plan(self._layer_index, starts, lens, table, kv_cache.shape[2])
             b = lens.shape[0]
-            window = self._window.read(plan, (lens - (starts[1 : b + 1] - starts[:b])).long(), k.dtype)
+            before = (lens - (starts[1 : b + 1] - starts[:b])).long()
+            # A step whose rows hold no earlier token (every sequence starting, or without a row) reads the same with no
+            # window when its tokens attend to each other exactly: the read would decode rows no query sees.
+            if not (self.settings.exact_chunk and bool((plan.held >= before).all())):
+                window = self._window.read(plan, before, k.dtype)
         out = paged_attention(self.format, codecs, q, k, v, kv_cache, starts, lens, table, self.scale, self.settings.exact_chunk,
                               sinks, window)
         if plan is not None:
