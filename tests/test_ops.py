@@ -464,10 +464,15 @@ def _op_samples():
     paged = (torch.randn(B, H, 4, 64), torch.randn(B, H, 4, 1), pool, torch.tensor([[3, 1, 0], [5, 2, 4], [0, 1, 2]]), torch.zeros(B, dtype=torch.long),
              torch.tensor([20, 13, 7]), [0, 2, 4, 28], lloyd_max_codebook(64, 3, "gaussian").centroids, 3,
              lloyd_max_codebook(64, 2, "gaussian").centroids, 2, 0.125)
-    return {"tq_attention": tq, "int8_attention": i8, "kivi_attention": kv, "tq_encode": enc, "kivi_encode": kenc, "tq_paged_attention": paged}
+    pool8 = torch.randint(0, 255, (6, H, 8, 132), dtype=torch.uint8)
+    pool8[..., 0:4] = torch.tensor([0, 36, 0, 36], dtype=torch.uint8)  # fp16 scales of 1/64
+    paged8 = (torch.randn(B, H, 4, 64), pool8, *paged[3:6], [0, 2, 4, 68], 0.125)
+    return {"tq_attention": tq, "int8_attention": i8, "kivi_attention": kv, "tq_encode": enc, "kivi_encode": kenc, "tq_paged_attention": paged,
+            "int8_paged_attention": paged8}
 
 
-@pytest.mark.parametrize("op", ["tq_attention", "int8_attention", "kivi_attention", "tq_encode", "kivi_encode", "tq_paged_attention"])
+@pytest.mark.parametrize("op", ["tq_attention", "int8_attention", "kivi_attention", "tq_encode", "kivi_encode", "tq_paged_attention",
+                                "int8_paged_attention"])
 def test_opcheck(op):
     # opcheck raises on a failure; the result names each check and says whether it passed.
     results = torch.library.opcheck(getattr(torch.ops.kvpack, op).default, _op_samples()[op])

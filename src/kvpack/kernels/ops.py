@@ -284,6 +284,13 @@ tq_paged_attention = define(
     lambda q_rot, *args: partial_fake(q_rot, q_rot.shape[-1]),
 )
 
+int8_paged_attention = define(
+    "int8_paged_attention",
+    "(Tensor q, Tensor pool, Tensor block_table, Tensor start, Tensor end, int[] offsets, float scale) -> (Tensor, Tensor, Tensor)",
+    reference.int8_paged_attention,
+    lambda q, *args: partial_fake(q, q.shape[-1]),
+)
+
 def _int8_cpu(q, k_codes, k_scale, v_codes, v_scale, scale, bias=None, softcap=0.0, skip=None):
     """`cpu_lut.dense_attention` (int8 rows, fp16 per-token scales) behind the op's arguments; masked,
     softcapped, non-float32 or empty calls take the reference."""

@@ -473,6 +473,30 @@ def tq_paged_attention(
                         field(vc, packed_length(d, v_bits)), field(vn, 2).view(torch.float16), v_centroids, v_bits, d, scale, row_offset, bias)
 
 
+
+def int8_paged_attention(
+    q: torch.Tensor,
+    pool: torch.Tensor,
+    block_table: torch.Tensor,
+    start: torch.Tensor,
+    end: torch.Tensor,
+    offsets: list[int],
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`int8_attention` over a paged pool's rows (`tq_paged_attention` has the layout): each side's fp16 scale at byte
+    `offsets[0]` / `offsets[1]` and its d int8 codes at `offsets[2]` / `offsets[3]`. q `(B, H, R, d)`."""
+    expect("pool", pool, (torch.uint8,), (None, q.shape[1], None, None), q.device)
+    d = q.shape[-1]
+    rows, live = paged_rows(pool, block_table, start, end)
+    ks, vs, kc, vc = offsets
+
+    def field(at: int, width: int) -> torch.Tensor:
+        return rows[..., at : at + width].contiguous()
+
+    bias = torch.zeros(live.shape, device=q.device).masked_fill(~live, float("-inf"))[:, None, None, :]
+    return int8_attention(q, field(kc, d).view(torch.int8), field(ks, 2).view(torch.float16), field(vc, d).view(torch.int8),
+                          field(vs, 2).view(torch.float16), scale, bias)
+
 def int8_attention(
     q: torch.Tensor,
     k_codes: torch.Tensor,

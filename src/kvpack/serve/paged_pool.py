@@ -258,20 +258,25 @@ def pool_partial(fmt: PoolFormat, codecs: tuple[Codec, Codec], query: torch.Tens
                  visible: torch.Tensor, scale: float, first: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`history_partial` of `query (b, heads, r, d)` over sequences whose blocks are `block_table (b, ·)` in `pool`.
 
-    TurboQuant rows whose query rows of a sequence all see the same tokens (a decode step; `visible (b, r)` equal
-    along r) and fit the kernel (`PAGED_ROWS` rows per kv head) are read where they lie, through the block table, by
-    `kvpack::tq_paged_attention` (C++ on CPU, its pure-torch reference elsewhere): no gather, no float keys. Other
-    calls gather the sequences' rows (`gather_rows`) and run the codecs' ops on them."""
+    Rows whose query rows of a sequence all see the same tokens (a decode step; `visible (b, r)` equal along r) and
+    fit the kernels (`PAGED_ROWS` rows per kv head) are read where they lie, through the block table, by
+    `kvpack::tq_paged_attention` or `kvpack::int8_paged_attention` (C++ on CPU, their pure-torch references
+    elsewhere): no gather, no float keys. Other calls gather the sequences' rows (`gather_rows`) and run the codecs'
+    ops on them."""
     kv = pool.shape[1]
     rows_per_head = query.shape[1] // kv * query.shape[2]
-    if (fmt.bits is not None and rows_per_head <= PAGED_ROWS and pool.is_contiguous() and fmt.row_bytes % 2 == 0
-            and bool((visible == visible[:, :1]).all())):
+    paged = rows_per_head <= PAGED_ROWS and pool.is_contiguous() and fmt.row_bytes % 2 == 0 and bool((visible == visible[:, :1]).all())
+    start = torch.full((query.shape[0],), first, dtype=torch.int64)
+    heads = query.shape[1]
+    if paged and fmt.bits is None:  # int8 rows: no rotation, the partial is in the values' space already
+        m, denom, o = ops.run("int8_paged_attention", group_query(query.float(), kv), pool, block_table, start, visible[:, 0].long(),
+                              list(fmt.offsets), scale)
+        return ungroup(m, heads), ungroup(denom, heads), ungroup(o, heads)
+    if paged:
         kc, vc = codecs
         q_rot, offset = kc.kernel_query(group_query(query.float(), kv))
-        start = torch.full((query.shape[0],), first, dtype=torch.int64)
         m, denom, o = ops.run("tq_paged_attention", q_rot, offset, pool, block_table, start, visible[:, 0].long(), list(fmt.offsets),
                               kc.kernel_table(query.device), fmt.bits[0], vc.kernel_table(query.device), fmt.bits[1], scale)
-        heads = query.shape[1]
         return ungroup(m, heads), ungroup(denom, heads), ungroup(vc.kernel_output(o, denom), heads)
     rows = gather_rows(pool, block_table, visible.amax(1))
     return history_partial(fmt, codecs, query, rows, visible, scale, first)

@@ -107,6 +107,54 @@ std::vector<torch::Tensor> dense_attention(torch::Tensor q, torch::Tensor k, tor
   return out;
 }
 
+// Online-softmax partial over a paged pool's int8 rows (PagedPool): q (B, H, R, d) f32, pool (blocks, H, bs, C) uint8,
+// block_table (B, M) int64, start/end (B,) int64 each sequence's token range, offsets (k_scale, v_scale, k_codes,
+// v_codes) bytes within a row (d int8 codes a side, fp16 scales). Rows widened in L1 (rows_attention_impl); tokens
+// outside a sequence's range are never read and score -inf.
+std::vector<torch::Tensor> int8_paged_attention(torch::Tensor q, torch::Tensor pool, torch::Tensor block_table, torch::Tensor start,
+                                                torch::Tensor end, std::vector<int64_t> offsets, double scale) {
+  q = q.contiguous();
+  block_table = block_table.contiguous();
+  start = start.contiguous();
+  end = end.contiguous();
+  TORCH_CHECK(q.scalar_type() == at::kFloat, "q must be float32");
+  const int64_t B = q.size(0), H = q.size(1), R = q.size(2), d = q.size(3);
+  const auto [pp, longest] = paged_view(pool, block_table, start, end, offsets, B, H, d, d);
+  const int64_t* st = start.data_ptr<int64_t>();
+  const int64_t* en = end.data_ptr<int64_t>();
+  int64_t T = 0;
+  for (int64_t b = 0; b < B; ++b) T = std::max(T, en[b]);
+  auto out = partial_outputs(q, d);
+  Partials P(B * H, R, d, split_count(T));
+  if (longest > 0) {
+    auto live = [&](int64_t b, int64_t t) { return t >= st[b] && t < en[b]; };
+    auto dec = [&](int64_t code_at, int64_t scale_at) {
+      return [&, code_at, scale_at](int64_t bh, int64_t t, float* dst) {
+        const int64_t b = bh / H;
+        if (!live(b, t)) {
+          std::memset(dst, 0, sizeof(float) * d);
+          return 0.f;
+        }
+        const uint8_t* row = pp.row(b, bh % H, t);
+        widen(reinterpret_cast<const int8_t*>(row + code_at), dst, static_cast<int>(d));
+        at::Half s;
+        std::memcpy(&s, row + scale_at, sizeof(s));
+        return static_cast<float>(s);
+      };
+    };
+    auto hide = [&](int64_t bh, int rows, int64_t t0, int64_t n, float* s) {
+      const int64_t b = bh / H;
+      for (int64_t t = 0; t < n; ++t)
+        if (!live(b, t0 + t))
+          for (int r = 0; r < rows; ++r) s[r * n + t] = -INFINITY;
+    };
+    rows_attention_impl(q.data_ptr<float>(), B * H, static_cast<int>(R), T, static_cast<int>(d), static_cast<int>(d), static_cast<float>(scale),
+                        Skip{}, P, dec(pp.k_code, pp.k_norm), dec(pp.v_code, pp.v_norm), hide);
+  }
+  P.merge(out[0].data_ptr<float>(), out[1].data_ptr<float>(), out[2].data_ptr<float>());
+  return out;
+}
+
 }  // namespace
 }  // namespace kvpack
 
@@ -115,4 +163,5 @@ KVPACK_BIND(m) {
   m.def("int8_scores", &int8_scores, "q . int8 codes, per-token scale factored out");
   m.def("int8_weighted_sum", &int8_weighted_sum, "sum_t p * scale * int8 codes");
   m.def("dense_attention", &dense_attention, "online-softmax partial (m, l, o) over int8 (scaled), fp16 or fp32 K/V");
+  m.def("int8_paged_attention", &int8_paged_attention, "online-softmax partial (m, l, o) over a paged pool's int8 rows, read through a block table");
 }

@@ -309,6 +309,65 @@ void rows_attention_impl(const float* q, int64_t BH, int R, int64_t T, int d, in
   });
 }
 
+// A serving engine's paged pool: (blocks, H, bs, C) uint8, one row of C bytes per (token, head), written once, holding
+// both sides' fp16 scales or norms and codes at fixed byte offsets (kvpack/serve/paged_pool.py). Sequence b's token t
+// lies in block table[b][t / bs] at slot t % bs, so within a block a head's rows sit C bytes apart: kernels read them
+// there, with no gather into a temporary.
+struct PagedPool {
+  const uint8_t* pool;
+  int64_t H, bs, C;
+  const int64_t* table;  // (B, table_stride) block ids
+  int64_t table_stride;
+  int64_t k_norm, v_norm, k_code, v_code;  // byte offsets within a row
+  const uint8_t* row(int64_t b, int64_t h, int64_t t) const {
+    return pool + ((table[b * table_stride + t / bs] * H + h) * bs + t % bs) * C;
+  }
+};
+
+// The pool's view for sequences reading tokens [start[b], end[b]): checks the layout, each side's fields within a row
+// of C bytes (`widths`: the key's and the value's code bytes), and every block id inside a range against the pool (an
+// id outside it would read foreign memory). Returns the view and the longest range.
+inline std::pair<PagedPool, int64_t> paged_view(const torch::Tensor& pool, const torch::Tensor& block_table, const torch::Tensor& start,
+                                                const torch::Tensor& end, const std::vector<int64_t>& offsets, int64_t B, int64_t H,
+                                                int64_t k_width, int64_t v_width) {
+  TORCH_CHECK(pool.dim() == 4 && pool.is_contiguous() && pool.scalar_type() == at::kByte, "pool must be a contiguous (blocks, H, bs, C) uint8 tensor");
+  TORCH_CHECK(pool.size(1) == H, "the pool's heads (", pool.size(1), ") must match the query's kv heads (", H, ")");
+  const int64_t C = pool.size(3), bs = pool.size(2), blocks = pool.size(0);
+  TORCH_CHECK(C % 2 == 0, "pool rows must hold an even number of bytes (their fp16 scales are read in place)");
+  TORCH_CHECK(offsets.size() == 4, "offsets are (k_norm, v_norm, k_code, v_code)");
+  TORCH_CHECK(offsets[0] % 2 == 0 && offsets[1] % 2 == 0 && offsets[0] >= 0 && offsets[1] >= 0 && offsets[0] + 2 <= C && offsets[1] + 2 <= C,
+              "the fp16 scales or norms must lie at even byte offsets within a row");
+  TORCH_CHECK(offsets[2] >= 0 && offsets[3] >= 0 && offsets[2] + k_width <= C && offsets[3] + v_width <= C, "the codes must lie within a row of ", C, " bytes");
+  TORCH_CHECK(block_table.scalar_type() == at::kLong && block_table.dim() == 2 && block_table.size(0) == B && block_table.is_contiguous() &&
+                  start.numel() == B && end.numel() == B && start.scalar_type() == at::kLong && end.scalar_type() == at::kLong,
+              "block_table (B, M) int64 and start, end (B,) int64 must match the query's batch");
+  const int64_t* ids = block_table.data_ptr<int64_t>();
+  const int64_t* st = start.data_ptr<int64_t>();
+  const int64_t* en = end.data_ptr<int64_t>();
+  const int64_t M = block_table.size(1);
+  int64_t longest = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    if (en[b] <= st[b]) continue;
+    TORCH_CHECK(st[b] >= 0 && (en[b] - 1) / bs < M, "sequence ", b, " reads tokens [", st[b], ", ", en[b], ") past its block table's ", M, " blocks");
+    for (int64_t j = st[b] / bs; j <= (en[b] - 1) / bs; ++j)
+      TORCH_CHECK(ids[b * M + j] >= 0 && ids[b * M + j] < blocks, "sequence ", b, " block ", j, " is ", ids[b * M + j], ", outside the pool's ", blocks, " blocks");
+    longest = std::max(longest, en[b] - st[b]);
+  }
+  return {PagedPool{pool.data_ptr<uint8_t>(), H, bs, C, ids, M, offsets[0], offsets[1], offsets[2], offsets[3]}, longest};
+}
+
+// f(t, run, k_codes, k_norm, v_codes, v_norm) for each run of tokens [t, t + run) of [t0, t1) that one block holds.
+template <typename F>
+inline void paged_runs(const PagedPool& pp, int64_t b, int64_t h, int64_t t0, int64_t t1, const F& f) {
+  for (int64_t t = t0; t < t1;) {
+    const int64_t run = std::min({pp.bs - t % pp.bs, t1 - t, kBlock});
+    const uint8_t* row = pp.row(b, h, t);
+    f(t, run, row + pp.k_code, reinterpret_cast<const at::Half*>(row + pp.k_norm), row + pp.v_code,
+      reinterpret_cast<const at::Half*>(row + pp.v_norm));
+    t += run;
+  }
+}
+
 // Head stride of a (B, H, T, n) view whose rows are contiguous and whose heads sit at one stride
 // (so batch stride = H * head stride): a capacity buffer narrowed along tokens.
 inline int64_t head_stride(const torch::Tensor& t, const char* name) {

@@ -320,32 +320,8 @@ void tq_attention_vbits(int vbits, const float* q, const float* row_off, const u
 
 // -- a paged pool of TurboQuant rows ----------------------------------------------------------------
 //
-// A serving engine's pool is (blocks, H, bs, C) uint8: one row of C bytes per (token, head), written once, holding
-// both sides' fp16 norms and codes at fixed byte offsets (kvpack/serve/paged_pool.py). Sequence b's token t lies in
-// block table[b][t / bs] at slot t % bs, so within a block a head's rows sit C bytes apart: the kernels above read them
-// there (stride C, norm stride C / 2 halves) with no gather into a temporary. Work items are (b, head, split of up to
-// kSplit tokens of [start[b], end[b])), each split walked block run by block run.
-struct PagedPool {
-  const uint8_t* pool;
-  int64_t H, bs, C;
-  const int64_t* table;  // (B, table_stride) block ids
-  int64_t table_stride;
-  int64_t k_norm, v_norm, k_code, v_code;  // byte offsets within a row
-};
-
-// f(t, run, k_codes, k_norm, v_codes, v_norm) for each run of tokens [t, t + run) of [t0, t1) that one block holds.
-template <typename F>
-inline void paged_runs(const PagedPool& pp, int64_t b, int64_t h, int64_t t0, int64_t t1, const F& f) {
-  for (int64_t t = t0; t < t1;) {
-    const int64_t blk = pp.table[b * pp.table_stride + t / pp.bs], off = t % pp.bs;
-    const int64_t run = std::min({pp.bs - off, t1 - t, kBlock});
-    const uint8_t* row = pp.pool + ((blk * pp.H + h) * pp.bs + off) * pp.C;
-    f(t, run, row + pp.k_code, reinterpret_cast<const at::Half*>(row + pp.k_norm), row + pp.v_code,
-      reinterpret_cast<const at::Half*>(row + pp.v_norm));
-    t += run;
-  }
-}
-
+// Rows read where they lie (PagedPool, softmax.h): work items are (b, head, split of up to kSplit tokens of
+// [start[b], end[b])), each split walked block run by block run, with the kernels above at a row stride of C bytes.
 template <bool PAIR3, int W, int VBITS>
 void tq_paged_impl(const float* q, const float* row_off, const PagedPool& pp, const int64_t* start, const int64_t* end, const float* kcent,
                    const Layout& KL, const float* vcent, const Layout& VL, int64_t B, int R, float scale, Partials& P) {
@@ -364,7 +340,10 @@ void tq_paged_impl(const float* q, const float* row_off, const PagedPool& pp, co
     for (int64_t i; (i = next()) >= 0;) {
       const int64_t bh = i / splits, sp = i % splits, b = bh / H, h = bh % H;
       const int64_t t0 = start[b] + sp * kSplit, t1 = std::min(end[b], t0 + kSplit), n = t1 - t0;
-      if (n <= 0) continue;  // m = l = 0, o = 0: the merge leaves the split out
+      if (n <= 0) {  // a shorter sequence: no token here (m = -inf, l = 0, o = 0: the merge's max and sums skip it)
+        for (int r = 0; r < R; ++r) P.m[i * R + r] = -INFINITY;
+        continue;
+      }
       if (bh != built) {
         for (int u = 0; u < KL.units; ++u)
           build_unit_table<W>(q + bh * R * KL.d, KL.d, R, u * KL.cpu, KL, kcent, table.data() + u * unit_stride);
@@ -601,37 +580,17 @@ std::vector<torch::Tensor> tq_paged_attention(torch::Tensor q, torch::Tensor row
   block_table = block_table.contiguous();
   start = start.contiguous();
   end = end.contiguous();
-  TORCH_CHECK(pool.dim() == 4 && pool.is_contiguous() && pool.scalar_type() == at::kByte, "pool must be a contiguous (blocks, H, bs, C) uint8 tensor");
-  TORCH_CHECK(pool.size(3) % 2 == 0, "pool rows must hold an even number of bytes (their fp16 norms are read in place)");
-  TORCH_CHECK(offsets.size() == 4, "offsets are (k_norm, v_norm, k_code, v_code)");
-  TORCH_CHECK(offsets[0] % 2 == 0 && offsets[1] % 2 == 0 && offsets[0] + 2 <= pool.size(3) && offsets[1] + 2 <= pool.size(3),
-              "the fp16 norms must lie at even byte offsets within a row");
   TORCH_CHECK(k_cent.numel() == (int64_t{1} << k_bits) && v_cent.numel() == (int64_t{1} << v_bits), "paged rows hold scalar codes");
+  TORCH_CHECK(q.scalar_type() == at::kFloat, "q must be float32");
   const int64_t B = q.size(0), H = q.size(1), R = q.size(2), d = q.size(3);
   TORCH_CHECK(R <= 16, "tq_paged_attention serves up to 16 query rows per kv head, got ", R);
-  TORCH_CHECK(pool.size(1) == H, "the pool's heads (", pool.size(1), ") must match the query's kv heads (", H, ")");
   const Layout KL = make_layout(static_cast<int>(k_bits), static_cast<int>(d));
   const Layout VL = make_layout(static_cast<int>(v_bits), static_cast<int>(d));
-  TORCH_CHECK(q.scalar_type() == at::kFloat && offsets[2] >= 0 && offsets[3] >= 0 && offsets[2] + KL.nbytes <= pool.size(3) &&
-                  offsets[3] + VL.nbytes <= pool.size(3), "the codes must lie within a row of ", pool.size(3), " bytes (and q be float32)");
+  const auto [pp, longest] = paged_view(pool, block_table, start, end, offsets, B, H, KL.nbytes, VL.nbytes);
   const int64_t* st = start.data_ptr<int64_t>();
   const int64_t* en = end.data_ptr<int64_t>();
-  TORCH_CHECK(block_table.scalar_type() == at::kLong && block_table.dim() == 2 && block_table.size(0) == B && start.numel() == B &&
-                  end.numel() == B, "block_table (B, M) int64 and start, end (B,) int64 must match the query's batch");
-  const int64_t* ids = block_table.data_ptr<int64_t>();
-  const int64_t bs = pool.size(2), blocks = pool.size(0), M = block_table.size(1);
-  int64_t longest = 0;
-  for (int64_t b = 0; b < B; ++b) {
-    if (en[b] <= st[b]) continue;
-    TORCH_CHECK(st[b] >= 0 && (en[b] - 1) / bs < M, "sequence ", b, " reads tokens [", st[b], ", ", en[b], ") past its block table's ", M, " blocks");
-    for (int64_t j = st[b] / bs; j <= (en[b] - 1) / bs; ++j)  // an id out of the pool would read foreign memory
-      TORCH_CHECK(ids[b * M + j] >= 0 && ids[b * M + j] < blocks, "sequence ", b, " block ", j, " is ", ids[b * M + j], ", outside the pool's ", blocks, " blocks");
-    longest = std::max(longest, en[b] - st[b]);
-  }
   auto out = partial_outputs(q, d);
   Partials P(B * H, R, d, split_count(longest));
-  const PagedPool pp{pool.data_ptr<uint8_t>(), H, bs, pool.size(3), ids, M,
-                     offsets[0], offsets[1], offsets[2], offsets[3]};
   if (longest > 0) {
     const float* off = row_offset.numel() ? row_offset.data_ptr<float>() : nullptr;
     const int vb = static_cast<int>(v_bits);
