@@ -160,13 +160,25 @@ def test_paged_attention_matches_dense_softmax_over_decoded_pages(method, d, cal
         torch.testing.assert_close(out[a:e], ref, atol=2e-4, rtol=2e-4)
 
 
+def _paged_op_reference(op: str, args: tuple) -> tuple[torch.Tensor, ...]:
+    """The paged op's reference partial on `args`, after checking that the CPU picks the C++ kernel for the op (when it
+    builds) and that the kernel agrees with the reference."""
+    from kvpack.kernels import cpu_lut, ops, reference
+
+    ref = getattr(reference, op)(*args)
+    if cpu_lut.available():
+        assert ops.implementation(op, torch.device("cpu")) is getattr(cpu_lut, op)
+        for a, e in zip(getattr(cpu_lut, op)(*args), ref, strict=True):
+            torch.testing.assert_close(a, e, atol=1e-5, rtol=1e-5)
+    return ref
+
+
 @pytest.mark.parametrize("bits", ["k3v2", "k4v4", "k2v3", "k1v1"])
 @pytest.mark.parametrize("rows", [1, 3, 16])
 def test_paged_kernel_matches_its_reference_and_a_dense_softmax(bits, rows):
     """`kvpack::tq_paged_attention` reads rows through the block table where they lie: its C++ kernel agrees with the
     pure-torch reference and both with a float64 softmax over the decoded rows of each sequence's own range (sequences
     of different lengths and starts, one with no token, blocks out of order, every unwritten slot 0xFF)."""
-    from kvpack.kernels import cpu_lut, ops, reference
 
     d, kv_heads, block_size = 64, 2, 16
     fmt = PoolFormat(f"turboquant:{bits}", d, seed=2, calibrated=True)
@@ -179,12 +191,7 @@ def test_paged_kernel_matches_its_reference_and_a_dense_softmax(bits, rows):
     end = torch.minimum(lens.long(), torch.tensor([601, 17, 2, 0, 33]))  # sequence 3 reads nothing
     args = (q_rot, offset, pool, table, start, end, list(fmt.offsets), codecs[0].kernel_table(q.device), fmt.bits[0],
             codecs[1].kernel_table(q.device), fmt.bits[1], 0.3)
-    ref = reference.tq_paged_attention(*args)
-    if cpu_lut.available():
-        assert ops.implementation("tq_paged_attention", torch.device("cpu")) is cpu_lut.tq_paged_attention
-        for a, e in zip(cpu_lut.tq_paged_attention(*args), ref, strict=True):
-            torch.testing.assert_close(a, e, atol=1e-5, rtol=1e-5)
-    m, denom, o = ref
+    m, denom, o = _paged_op_reference("tq_paged_attention", args)
     out = codecs[1].kernel_output(o, denom) / denom.clamp_min(1e-30)  # normalized, in the values' space
     for s, (kf, vf) in enumerate(full):
         a, e = int(start[s]), int(end[s])
@@ -201,8 +208,6 @@ def test_paged_kernel_matches_its_reference_and_a_dense_softmax(bits, rows):
 def test_int8_paged_kernel_matches_its_reference_and_a_dense_softmax():
     """`kvpack::int8_paged_attention`: the C++ kernel against the reference, and both against a float64 softmax over
     each sequence's decoded int8 rows in its own range (as the TurboQuant kernel's test)."""
-    from kvpack.kernels import cpu_lut, ops, reference
-
     d, kv_heads = 64, 2
     fmt = PoolFormat("int8", d)
     specs = [(600, 1), (16, 1), (3, 1), (0, 1), (33, 1)]  # the first spans two kernel splits of 512 tokens
@@ -211,12 +216,7 @@ def test_int8_paged_kernel_matches_its_reference_and_a_dense_softmax():
     start = torch.tensor([5, 4, 0, 0, 31])
     end = torch.minimum(lens.long(), torch.tensor([601, 17, 2, 0, 33]))
     args = (q, pool, table, start, end, list(fmt.offsets), 0.2)
-    ref = reference.int8_paged_attention(*args)
-    if cpu_lut.available():
-        assert ops.implementation("int8_paged_attention", torch.device("cpu")) is cpu_lut.int8_paged_attention
-        for a, e in zip(cpu_lut.int8_paged_attention(*args), ref, strict=True):
-            torch.testing.assert_close(a, e, atol=1e-5, rtol=1e-5)
-    m, denom, o = ref
+    m, denom, o = _paged_op_reference("int8_paged_attention", args)
     for s, (kf, vf) in enumerate(full):
         a, e = int(start[s]), int(end[s])
         if e <= a:

@@ -441,6 +441,23 @@ def paged_rows(pool: torch.Tensor, block_table: torch.Tensor, start: torch.Tenso
     return rows * live[:, None, :, None], live
 
 
+def paged_fields(q: torch.Tensor, pool: torch.Tensor, block_table: torch.Tensor, start: torch.Tensor, end: torch.Tensor,
+                 offsets: list[int], widths: tuple[int, int]) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """A paged pool's rows for the queries `q (B, H, R, ·)` as a segment's tensors: (key codes, key fp16 scale or norm,
+    value codes, value scale or norm) `(B, H, T, ·)` uint8 / float16, each side's codes `widths` bytes at byte
+    `offsets[2]` / `offsets[3]` and its fp16 at `offsets[0]` / `offsets[1]`; and the bias `(B, 1, 1, T)` masking
+    tokens outside each sequence's range (`paged_rows`)."""
+    expect("pool", pool, (torch.uint8,), (None, q.shape[1], None, None), q.device)
+    rows, live = paged_rows(pool, block_table, start, end)
+
+    def field(at: int, width: int) -> torch.Tensor:
+        return rows[..., at : at + width].contiguous()
+
+    fields = (field(offsets[2], widths[0]), field(offsets[0], 2).view(torch.float16), field(offsets[3], widths[1]),
+              field(offsets[1], 2).view(torch.float16))
+    return fields, torch.zeros(live.shape, device=q.device).masked_fill(~live, float("-inf"))[:, None, None, :]
+
+
 def tq_paged_attention(
     q_rot: torch.Tensor,
     row_offset: torch.Tensor | None,
@@ -460,17 +477,9 @@ def tq_paged_attention(
     `offsets[2]`, `offsets[3]`; sequence b reads its tokens `[start[b], end[b])` (`(B,)` int64) through `block_table (B, M)`
     (`paged_rows`). q_rot `(B, H, R, d)`, row_offset `(B, H, R, 1)` or None, as in `tq_attention`; a sequence with no
     token gives m = l = o = 0."""
-    expect("pool", pool, (torch.uint8,), (None, q_rot.shape[1], None, None), q_rot.device)
     d = q_rot.shape[-1]
-    rows, live = paged_rows(pool, block_table, start, end)
-    kn, vn, kc, vc = offsets
-
-    def field(at: int, width: int) -> torch.Tensor:
-        return rows[..., at : at + width].contiguous()
-
-    bias = torch.zeros(live.shape, device=q_rot.device).masked_fill(~live, float("-inf"))[:, None, None, :]
-    return tq_attention(q_rot, field(kc, packed_length(d, k_bits)), field(kn, 2).view(torch.float16), k_centroids, k_bits,
-                        field(vc, packed_length(d, v_bits)), field(vn, 2).view(torch.float16), v_centroids, v_bits, d, scale, row_offset, bias)
+    (kc, kn, vc, vn), bias = paged_fields(q_rot, pool, block_table, start, end, offsets, (packed_length(d, k_bits), packed_length(d, v_bits)))
+    return tq_attention(q_rot, kc, kn, k_centroids, k_bits, vc, vn, v_centroids, v_bits, d, scale, row_offset, bias)
 
 
 
@@ -485,17 +494,9 @@ def int8_paged_attention(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`int8_attention` over a paged pool's rows (`tq_paged_attention` has the layout): each side's fp16 scale at byte
     `offsets[0]` / `offsets[1]` and its d int8 codes at `offsets[2]` / `offsets[3]`. q `(B, H, R, d)`."""
-    expect("pool", pool, (torch.uint8,), (None, q.shape[1], None, None), q.device)
     d = q.shape[-1]
-    rows, live = paged_rows(pool, block_table, start, end)
-    ks, vs, kc, vc = offsets
-
-    def field(at: int, width: int) -> torch.Tensor:
-        return rows[..., at : at + width].contiguous()
-
-    bias = torch.zeros(live.shape, device=q.device).masked_fill(~live, float("-inf"))[:, None, None, :]
-    return int8_attention(q, field(kc, d).view(torch.int8), field(ks, 2).view(torch.float16), field(vc, d).view(torch.int8),
-                          field(vs, 2).view(torch.float16), scale, bias)
+    (kc, ks, vc, vs), bias = paged_fields(q, pool, block_table, start, end, offsets, (d, d))
+    return int8_attention(q, kc.view(torch.int8), ks, vc.view(torch.int8), vs, scale, bias)
 
 def int8_attention(
     q: torch.Tensor,
