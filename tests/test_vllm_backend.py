@@ -510,7 +510,7 @@ def test_window_store_follows_sequences_across_steps():
         window = store.read(reads[0], before)
         k, held = window.dense(list(range(len(seqs))))[0], window.held
         reads = [window, reads[0]]
-        store.write(reads[1], keys, keys, qsl, sl)
+        store.write(reads[1], keys, keys)
         out = {}
         for i, name in enumerate(seqs):
             out[name] = (k[i], int(held[i]))

@@ -418,11 +418,14 @@ class WindowPlan:
     held: `(b,)` int64 the first position its row holds exactly (its step's first position when the row holds nothing).
     copies: (source, destination) rows to copy before the step reads (a sequence continuing another's held tokens, as
         a prefix-cache hit does, while that one continues too).
+    writes: `(token, row, place)`, `(n,)` int64 each: after the step, the step's token `token[i]` goes to store row
+        `row[i]` at `place[i]` (each sequence with a row keeps its last `width` tokens; the same for every layer).
     """
 
     slot: torch.Tensor
     held: torch.Tensor
     copies: tuple[tuple[int, int], ...]
+    writes: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 class WindowSlots:
@@ -493,7 +496,15 @@ class WindowSlots:
             self.owner[last] = row
             slot.append(row)
             held.append(max(start, before[s] - self.width))
-        return WindowPlan(torch.tensor(slot, dtype=torch.int64), torch.tensor(held, dtype=torch.int64), tuple(copies))
+        tokens, rows, places = [], [], []  # what each layer writes after the step: each sequence's last `width` tokens
+        for s, row in enumerate(slot):
+            if row >= 0:
+                a = max(starts[s], starts[s + 1] - self.width)
+                tokens.extend(range(a, starts[s + 1]))
+                rows.extend([row] * (starts[s + 1] - a))
+                places.extend(p % self.width for p in range(lens[s] - (starts[s + 1] - a), lens[s]))
+        writes = tuple(torch.tensor(x, dtype=torch.int64) for x in (tokens, rows, places))
+        return WindowPlan(torch.tensor(slot, dtype=torch.int64), torch.tensor(held, dtype=torch.int64), tuple(copies), writes)
 
 
 @dataclass(frozen=True)
@@ -565,18 +576,9 @@ class WindowStore:
             self.rows[dst] = self.rows[src]
         return WindowRead(self.rows, plan.slot, plan.held, before.long(), self.format, self.codecs)
 
-    def write(self, plan: WindowPlan, key: torch.Tensor, value: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor) -> None:
-        """Keep each sequence's last `width` tokens of this step's `key, value (tokens, kv_heads, d)` in its row."""
-        starts, lens, slots = query_start_loc.tolist(), seq_lens.tolist(), plan.slot.tolist()
-        tokens, rows, places = [], [], []
-        for s, row in enumerate(slots):
-            if row < 0:
-                continue
-            e = starts[s + 1]
-            a = max(starts[s], e - self.width)
-            tokens.append(torch.arange(a, e))
-            rows.append(torch.full((e - a,), row))
-            places.append(torch.arange(lens[s] - (e - a), lens[s]) % self.width)
-        if tokens:  # one encode for the whole step
-            index = torch.cat(tokens)
-            self.rows[torch.cat(rows), :, torch.cat(places)] = encode_rows(self.format, self.codecs, key[index], value[index])
+    def write(self, plan: WindowPlan, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Keep each sequence's last `width` tokens of this step's `key, value (tokens, kv_heads, d)` in its row
+        (`plan.writes`, worked out once per step for every layer), in one encode."""
+        token, row, place = plan.writes
+        if token.numel():
+            self.rows[row, :, place] = encode_rows(self.format, self.codecs, key[token], value[token])

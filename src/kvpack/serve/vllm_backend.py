@@ -304,7 +304,7 @@ class KVPackAttentionImpl(CPUAttentionBackendImpl):
         out = paged_attention(self.format, codecs, q, k, v, kv_cache, starts, lens, table, self.scale, self.settings.exact_chunk,
                               sinks, window, causal)
         if plan is not None:
-            self._window.write(plan, k, v, starts, lens)
+            self._window.write(plan, k, v)
         output[:n].view(n, self.num_heads, self.head_size).copy_(out)
         return output
 
