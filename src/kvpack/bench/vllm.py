@@ -91,7 +91,8 @@ def run_instance(spec: dict) -> dict:
     if spec.get("throughput"):
         t = spec["throughput"]
         prompts = [TokensPrompt(prompt_token_ids=ids) for ids in t["prompts"]]
-        params = SamplingParams(temperature=0.0, max_tokens=t["output_tokens"], ignore_eos=True)
+        # `top_logprobs: k` also records, per generated token, the k most likely tokens and their log-probabilities.
+        params = SamplingParams(temperature=0.0, max_tokens=t["output_tokens"], ignore_eos=True, logprobs=t.get("top_logprobs"))
         before = _preemptions(llm)
         began = time.perf_counter()
         res = llm.generate(prompts, params, use_tqdm=False)
@@ -99,6 +100,10 @@ def run_instance(spec: dict) -> dict:
         tokens = sum(len(ids) for ids in t["prompts"]) + sum(len(r.outputs[0].token_ids) for r in res)
         out["throughput"] = {"seconds": round(seconds, 2), "tokens": tokens, "tokens_per_s": round(tokens / seconds, 1),
                              "preemptions": _preemptions(llm) - before, "outputs": [list(r.outputs[0].token_ids) for r in res]}
+        if t.get("top_logprobs"):
+            out["throughput"]["top_logprobs"] = [
+                [sorted(([tok, lp.logprob] for tok, lp in step.items()), key=lambda e: -e[1])[: t["top_logprobs"]]
+                 for step in r.outputs[0].logprobs] for r in res]
     return out
 
 
