@@ -283,6 +283,8 @@ TRELLIS_CASES = [  # (key bits, key state bits L; L == bits: scalar codes), (val
     ((3, 9), (2, 8), 1, 3, 3, 64, 1100),  # +tcq's pair: splits and a part tile
     ((3, 9), (3, 3), 2, 2, 7, 80, 217),  # trellis keys, scalar values
     ((2, 2), (2, 8), 1, 2, 16, 96, 513),  # scalar keys, trellis values
+    ((3, 3), (2, 8), 1, 3, 3, 64, 1100),  # +tcqv: the default's 3-bit keys through their tables, trellis values
+    ((4, 4), (3, 9), 2, 1, 5, 80, 77),  # scalar keys, trellis values past a group of eight (80 channels)
     ((1, 5), (4, 12), 2, 1, 1, 36, 40),  # 36 channels: a group of four past the last whole eight
 ]
 

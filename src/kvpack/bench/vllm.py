@@ -218,7 +218,8 @@ def main(argv: list[str] | None = None) -> None:
                              f"'{WINDOW}N', e.g. turboquant:k3v2{CALIBRATED}{WINDOW}32")
         options = {"method": name, **({"calibration": str(Path(args.calibration).resolve())} if cal else {}),
                    **({"window": int(width)} if width else {})}
-        seeds = args.seeds if name.startswith("turboquant") else args.seeds[:1]  # int8 rows have no rotation to draw
+        # The pool stores int8 rows (nothing drawn) or TurboQuant codes (a rotation per seed); it refuses anything else.
+        seeds = args.seeds[:1] if name == "int8" else args.seeds
         draws[method] = [method if i == 0 else f"{method}@seed={seed}" for i, seed in enumerate(seeds)]
         for label, seed in zip(draws[method], seeds, strict=True):
             runs[label] = spawn({**common, "label": label, "kvpack": {**options, "seed": seed, "exact_chunk": False}, "score": score}, log)

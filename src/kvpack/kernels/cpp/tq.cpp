@@ -1,4 +1,5 @@
-// TurboQuant: scalar codes read through per-unit lookup tables, trellis codes decoded in L1.
+// TurboQuant: scalar codes read through per-unit lookup tables, trellis codes decoded in L1 (trellis values beside
+// scalar keys keep the keys' tables: tq_attention_impl with VBITS = 0).
 //
 // TurboQuant codes are b-bit centroid indices packed LSB-first (kvpack.primitives.packing).
 // A "unit" is the group of codes read with one table index: one byte (8/b codes) for b in
@@ -169,6 +170,26 @@ void accumulate_tokens(const float* p, const uint8_t* codes, const at::Half* nor
 }
 
 
+// accumulate_tokens' sum for codes that no unit table decodes (trellis values): `dec(row, dst)` widens token t's codes
+// (codes + t * cstride) into d floats in `rows_buf` (4 rows, L1), four tokens at a time, then the same pass over acc.
+template <typename Dec>
+void accumulate_decoded(const float* p, const uint8_t* codes, const at::Half* norm, int64_t t0, int64_t t1, int d, int64_t T, int R,
+                        const Dec& dec, float* rows_buf, float* __restrict acc, int64_t cstride, int64_t nstride) {
+  constexpr int TT = 4;
+  for (int64_t t = t0; t < t1; t += TT) {
+    const int n = static_cast<int>(std::min<int64_t>(TT, t1 - t));
+    for (int i = 0; i < n; ++i) dec(codes + (t + i) * cstride, rows_buf + i * d);
+    for (int r = 0; r < R; ++r) {
+      float w[TT] = {};  // rows past n keep earlier finite values and take weight 0
+      for (int i = 0; i < n; ++i) w[i] = p[r * T + t + i] * static_cast<float>(norm[(t + i) * nstride]);
+      float* __restrict a = acc + r * d;
+      const float *r0 = rows_buf, *r1 = r0 + d, *r2 = r1 + d, *r3 = r2 + d;
+      for (int j = 0; j < d; ++j) a[j] += w[0] * r0[j] + w[1] * r1[j] + w[2] * r2[j] + w[3] * r3[j];
+    }
+  }
+}
+
+
 template <int BITS>
 void lut_weighted_sum_impl(const float* p, const uint8_t* codes, const at::Half* norm, const float* cent, int64_t BH, int R, int64_t T,
                            const Layout& L, float* out) {
@@ -267,16 +288,22 @@ void add_turning_scores(const Turning& tn, int64_t bh, int R, int64_t t0, int64_
   }
 }
 
-template <bool PAIR3, int W, int VBITS>
+// Scalar keys scored through their unit tables; values VBITS-bit scalar codes through a unit -> floats table, or, with
+// VBITS = 0, trellis codes widened by `vrows` (a TrellisRows: the values' side of `+tcqv`), so a segment whose keys are
+// scalar keeps the table-scored keys whatever its values are.
+template <bool PAIR3, int W, int VBITS, typename VRows = std::nullptr_t>
 void tq_attention_impl(const float* q, const float* row_off, const uint8_t* kc, int64_t k_bh, const at::Half* kn, int64_t kn_bh,
                        const float* kcent, const Layout& KL, const uint8_t* vc, int64_t v_bh, const at::Half* vn, int64_t vn_bh,
                        const float* vcent, const Layout& VL, int64_t BH, int R, int64_t T, float scale, const Skip& skip, const Turning& tn,
-                       Partials& P) {
+                       Partials& P, const VRows& vrows = nullptr) {
   const int64_t splits = P.splits;
   const int64_t unit_stride = static_cast<int64_t>(KL.entries) * W;
-  std::vector<float> dec(static_cast<int64_t>(VL.entries) * VL.cpu);
-  for (int e = 0; e < VL.entries; ++e)
-    for (int k = 0; k < VL.cpu; ++k) dec[e * VL.cpu + k] = vcent[(e >> (k * VL.bits)) & VL.mask];
+  std::vector<float> dec;
+  if constexpr (VBITS != 0) {
+    dec.resize(static_cast<int64_t>(VL.entries) * VL.cpu);
+    for (int e = 0; e < VL.entries; ++e)
+      for (int k = 0; k < VL.cpu; ++k) dec[e * VL.cpu + k] = vcent[(e >> (k * VL.bits)) & VL.mask];
+  }
   for_items(BH * splits, BH * T * R, [&](const auto& next) {
     std::vector<float> table(KL.units * unit_stride);
     std::vector<float> s(static_cast<int64_t>(R) * kSplit);
@@ -302,8 +329,12 @@ void tq_attention_impl(const float* q, const float* row_off, const uint8_t* kc, 
       float* pm = P.m.data() + i * R;
       float* pl = P.l.data() + i * R;
       softmax_rows(s.data(), n, R, n, pm, pl);
-      accumulate_tokens<VBITS>(s.data(), vc + bh * v_bh + t0 * VL.nbytes, vn + bh * vn_bh + t0, 0, n, VL, n, R, dec.data(), rows_buf.data(),
-                               P.o.data() + i * R * VL.d, VL.nbytes, 1);
+      if constexpr (VBITS == 0)
+        accumulate_decoded(s.data(), vc + bh * v_bh + t0 * VL.nbytes, vn + bh * vn_bh + t0, 0, n, VL.d, n, R, vrows, rows_buf.data(),
+                           P.o.data() + i * R * VL.d, VL.nbytes, 1);
+      else
+        accumulate_tokens<VBITS>(s.data(), vc + bh * v_bh + t0 * VL.nbytes, vn + bh * vn_bh + t0, 0, n, VL, n, R, dec.data(), rows_buf.data(),
+                                 P.o.data() + i * R * VL.d, VL.nbytes, 1);
     }
   });
 }
@@ -315,7 +346,7 @@ void tq_attention_vbits(int vbits, const float* q, const float* row_off, const u
                         Partials& P) {
   auto run = vbits == 1 ? tq_attention_impl<PAIR3, W, 1> : vbits == 2 ? tq_attention_impl<PAIR3, W, 2>
            : vbits == 3 ? tq_attention_impl<PAIR3, W, 3> : tq_attention_impl<PAIR3, W, 4>;
-  run(q, row_off, kc, k_bh, kn, kn_bh, kcent, KL, vc, v_bh, vn, vn_bh, vcent, VL, BH, R, T, scale, skip, tn, P);
+  run(q, row_off, kc, k_bh, kn, kn_bh, kcent, KL, vc, v_bh, vn, vn_bh, vcent, VL, BH, R, T, scale, skip, tn, P, nullptr);
 }
 
 // -- a paged pool of TurboQuant rows ----------------------------------------------------------------
@@ -467,7 +498,7 @@ std::unique_ptr<CodeRows> make_code_rows(const torch::Tensor& table, int bits, i
   return rows;
 }
 
-// tq_attention's form for segments with trellis codes on either side: rows decoded in L1 (rows_attention_impl).
+// tq_attention's form for segments with trellis keys (either kind of values): rows decoded in L1 (rows_attention_impl).
 void tq_rows_attention(const float* q, const float* row_off, const uint8_t* kc, int64_t k_bh, const at::Half* kn, int64_t kn_bh,
                        const CodeRows& krows, int kbytes, const uint8_t* vc, int64_t v_bh, const at::Half* vn, int64_t vn_bh,
                        const CodeRows& vrows, int vbytes, int64_t BH, int R, int64_t T, int d, float scale, const Skip& skip,
@@ -543,7 +574,24 @@ std::vector<torch::Tensor> tq_attention(torch::Tensor q, torch::Tensor row_offse
     const float* off = row_offset.numel() ? row_offset.data_ptr<float>() : nullptr;
     const int kb = static_cast<int>(k_bits), vb = static_cast<int>(v_bits);
     const Skip sk = make_skip(skip);
-    if (k_cent.numel() != (int64_t{1} << kb) || v_cent.numel() != (int64_t{1} << vb)) {  // trellis codes on a side: rows decoded in L1
+    const bool k_trellis = k_cent.numel() != (int64_t{1} << kb), v_trellis = v_cent.numel() != (int64_t{1} << vb);
+    if (!k_trellis && v_trellis) {  // scalar keys scored through their tables, trellis values widened in L1
+      const auto vrows_ = make_code_rows(v_cent, vb, static_cast<int>(d));
+      const TrellisRows& vtr = vrows_->tr;
+#define KVP_TQV(PAIR3, W) tq_attention_impl<PAIR3, W, 0>(q.data_ptr<float>(), off, k_codes.data_ptr<uint8_t>(), head_stride(k_codes, "k_codes"), \
+      k_norm.data_ptr<at::Half>(), head_stride(k_norm, "k_norm"), k_cent.data_ptr<float>(), KL, v_codes.data_ptr<uint8_t>(), \
+      head_stride(v_codes, "v_codes"), v_norm.data_ptr<at::Half>(), head_stride(v_norm, "v_norm"), v_cent.data_ptr<float>(), VL, B * H, \
+      static_cast<int>(R), T, static_cast<float>(scale), sk, tn, P, vtr)
+      if (kb == 3) {
+        if (R == 1) KVP_TQV(true, 1); else if (R <= 4) KVP_TQV(true, 4); else if (R <= 8) KVP_TQV(true, 8); else KVP_TQV(true, 16);
+      } else {
+        if (R == 1) KVP_TQV(false, 1); else if (R <= 4) KVP_TQV(false, 4); else if (R <= 8) KVP_TQV(false, 8); else KVP_TQV(false, 16);
+      }
+#undef KVP_TQV
+      P.merge(out[0].data_ptr<float>(), out[1].data_ptr<float>(), out[2].data_ptr<float>());
+      return out;
+    }
+    if (k_trellis || v_trellis) {  // trellis keys: every row decoded in L1 (a key's window has no per-unit table)
       const auto krows_ = make_code_rows(k_cent, kb, static_cast<int>(d)), vrows_ = make_code_rows(v_cent, vb, static_cast<int>(d));
       const CodeRows &krows = *krows_, &vrows = *vrows_;
       tq_rows_attention(q.data_ptr<float>(), off, k_codes.data_ptr<uint8_t>(), head_stride(k_codes, "k_codes"), k_norm.data_ptr<at::Half>(),
