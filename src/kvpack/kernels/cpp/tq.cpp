@@ -339,16 +339,6 @@ void tq_attention_impl(const float* q, const float* row_off, const uint8_t* kc, 
   });
 }
 
-template <bool PAIR3, int W>
-void tq_attention_vbits(int vbits, const float* q, const float* row_off, const uint8_t* kc, int64_t k_bh, const at::Half* kn, int64_t kn_bh,
-                        const float* kcent, const Layout& KL, const uint8_t* vc, int64_t v_bh, const at::Half* vn, int64_t vn_bh,
-                        const float* vcent, const Layout& VL, int64_t BH, int R, int64_t T, float scale, const Skip& skip, const Turning& tn,
-                        Partials& P) {
-  auto run = vbits == 1 ? tq_attention_impl<PAIR3, W, 1> : vbits == 2 ? tq_attention_impl<PAIR3, W, 2>
-           : vbits == 3 ? tq_attention_impl<PAIR3, W, 3> : tq_attention_impl<PAIR3, W, 4>;
-  run(q, row_off, kc, k_bh, kn, kn_bh, kcent, KL, vc, v_bh, vn, vn_bh, vcent, VL, BH, R, T, scale, skip, tn, P, nullptr);
-}
-
 // -- a paged pool of TurboQuant rows ----------------------------------------------------------------
 //
 // Rows read where they lie (PagedPool, softmax.h): work items are (b, head, split of up to kSplit tokens of
@@ -498,6 +488,21 @@ std::unique_ptr<CodeRows> make_code_rows(const torch::Tensor& table, int bits, i
   return rows;
 }
 
+// tq_attention_impl for scalar keys at the values' width: vbits-bit scalar values, or trellis values widened by `vtr`.
+template <bool PAIR3, int W>
+void tq_attention_vbits(int vbits, const TrellisRows* vtr, const float* q, const float* row_off, const uint8_t* kc, int64_t k_bh,
+                        const at::Half* kn, int64_t kn_bh, const float* kcent, const Layout& KL, const uint8_t* vc, int64_t v_bh,
+                        const at::Half* vn, int64_t vn_bh, const float* vcent, const Layout& VL, int64_t BH, int R, int64_t T, float scale,
+                        const Skip& skip, const Turning& tn, Partials& P) {
+  if (vtr) {
+    tq_attention_impl<PAIR3, W, 0>(q, row_off, kc, k_bh, kn, kn_bh, kcent, KL, vc, v_bh, vn, vn_bh, vcent, VL, BH, R, T, scale, skip, tn, P, *vtr);
+    return;
+  }
+  auto run = vbits == 1 ? tq_attention_impl<PAIR3, W, 1> : vbits == 2 ? tq_attention_impl<PAIR3, W, 2>
+           : vbits == 3 ? tq_attention_impl<PAIR3, W, 3> : tq_attention_impl<PAIR3, W, 4>;
+  run(q, row_off, kc, k_bh, kn, kn_bh, kcent, KL, vc, v_bh, vn, vn_bh, vcent, VL, BH, R, T, scale, skip, tn, P, nullptr);
+}
+
 // tq_attention's form for segments with trellis keys (either kind of values): rows decoded in L1 (rows_attention_impl).
 void tq_rows_attention(const float* q, const float* row_off, const uint8_t* kc, int64_t k_bh, const at::Half* kn, int64_t kn_bh,
                        const CodeRows& krows, int kbytes, const uint8_t* vc, int64_t v_bh, const at::Half* vn, int64_t vn_bh,
@@ -575,23 +580,10 @@ std::vector<torch::Tensor> tq_attention(torch::Tensor q, torch::Tensor row_offse
     const int kb = static_cast<int>(k_bits), vb = static_cast<int>(v_bits);
     const Skip sk = make_skip(skip);
     const bool k_trellis = k_cent.numel() != (int64_t{1} << kb), v_trellis = v_cent.numel() != (int64_t{1} << vb);
-    if (!k_trellis && v_trellis) {  // scalar keys scored through their tables, trellis values widened in L1
-      const auto vrows_ = make_code_rows(v_cent, vb, static_cast<int>(d));
-      const TrellisRows& vtr = vrows_->tr;
-#define KVP_TQV(PAIR3, W) tq_attention_impl<PAIR3, W, 0>(q.data_ptr<float>(), off, k_codes.data_ptr<uint8_t>(), head_stride(k_codes, "k_codes"), \
-      k_norm.data_ptr<at::Half>(), head_stride(k_norm, "k_norm"), k_cent.data_ptr<float>(), KL, v_codes.data_ptr<uint8_t>(), \
-      head_stride(v_codes, "v_codes"), v_norm.data_ptr<at::Half>(), head_stride(v_norm, "v_norm"), v_cent.data_ptr<float>(), VL, B * H, \
-      static_cast<int>(R), T, static_cast<float>(scale), sk, tn, P, vtr)
-      if (kb == 3) {
-        if (R == 1) KVP_TQV(true, 1); else if (R <= 4) KVP_TQV(true, 4); else if (R <= 8) KVP_TQV(true, 8); else KVP_TQV(true, 16);
-      } else {
-        if (R == 1) KVP_TQV(false, 1); else if (R <= 4) KVP_TQV(false, 4); else if (R <= 8) KVP_TQV(false, 8); else KVP_TQV(false, 16);
-      }
-#undef KVP_TQV
-      P.merge(out[0].data_ptr<float>(), out[1].data_ptr<float>(), out[2].data_ptr<float>());
-      return out;
-    }
-    if (k_trellis || v_trellis) {  // trellis keys: every row decoded in L1 (a key's window has no per-unit table)
+    // Scalar keys are scored through their tables whatever the values are; trellis values are then widened in L1.
+    const auto vrows_ = !k_trellis && v_trellis ? make_code_rows(v_cent, vb, static_cast<int>(d)) : nullptr;
+    const TrellisRows* vtr = vrows_ ? &vrows_->tr : nullptr;
+    if (k_trellis) {  // trellis keys: every row decoded in L1 (a key's window has no per-unit table)
       const auto krows_ = make_code_rows(k_cent, kb, static_cast<int>(d)), vrows_ = make_code_rows(v_cent, vb, static_cast<int>(d));
       const CodeRows &krows = *krows_, &vrows = *vrows_;
       tq_rows_attention(q.data_ptr<float>(), off, k_codes.data_ptr<uint8_t>(), head_stride(k_codes, "k_codes"), k_norm.data_ptr<at::Half>(),
@@ -601,7 +593,7 @@ std::vector<torch::Tensor> tq_attention(torch::Tensor q, torch::Tensor row_offse
       P.merge(out[0].data_ptr<float>(), out[1].data_ptr<float>(), out[2].data_ptr<float>());
       return out;
     }
-#define KVP_TQ(PAIR3, W) tq_attention_vbits<PAIR3, W>(vb, q.data_ptr<float>(), off, k_codes.data_ptr<uint8_t>(), head_stride(k_codes, "k_codes"), \
+#define KVP_TQ(PAIR3, W) tq_attention_vbits<PAIR3, W>(vb, vtr, q.data_ptr<float>(), off, k_codes.data_ptr<uint8_t>(), head_stride(k_codes, "k_codes"), \
       k_norm.data_ptr<at::Half>(), head_stride(k_norm, "k_norm"), k_cent.data_ptr<float>(), KL, v_codes.data_ptr<uint8_t>(), \
       head_stride(v_codes, "v_codes"), v_norm.data_ptr<at::Half>(), head_stride(v_norm, "v_norm"), v_cent.data_ptr<float>(), VL, B * H, \
       static_cast<int>(R), T, static_cast<float>(scale), sk, tn, P)
