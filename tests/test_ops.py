@@ -299,6 +299,36 @@ def test_tq_encode_matches_codec():
     assert_codes_equal_except_ties(codes, packed.codes, y, codec.codebook.boundaries, bits)
 
 
+CPU_ENCODE_CASES = [(8, 1, False, torch.float32, 300), (64, 3, True, torch.float32, 700), (64, 2, False, torch.bfloat16, 1100),
+                    (128, 4, True, torch.float16, 90), (256, 3, True, torch.float32, 1100)]  # d, bits, fitted, dtype, tokens
+
+
+@pytest.mark.skipif(not cpu_lut.available(), reason="the C++ kernels did not build")
+@pytest.mark.parametrize("d,bits,fitted,dtype,t", CPU_ENCODE_CASES, ids=[f"d{c[0]}-b{c[1]}-{c[3]}-t{c[4]}" for c in CPU_ENCODE_CASES])
+def test_tq_encode_cpu_kernel_matches_reference(d, bits, fitted, dtype, t):
+    """The C++ encode (butterflies, one pass per row, rows split across threads above 64) against the torch reference
+    (a dense Hadamard matmul): norms equal in fp16 and codes equal except within float rounding of a boundary; a vector
+    that centers to zero codes with norm 0; a non-contiguous input (a serving engine's transposed step) is read as is."""
+    gen = torch.Generator().manual_seed(d * 7 + bits)
+    x = (torch.randn(2, t, H, d, generator=gen) * 2 + 0.5).to(dtype).transpose(1, 2)  # (B, H, T, d), not contiguous
+    mean = torch.randn(H, d, generator=gen) if fitted else None
+    inv_scale = torch.rand(H, d, generator=gen) + 0.5 if fitted else None
+    x[1, 0, 3] = 0 if mean is None else mean[0].to(dtype)
+    signs = (torch.randint(0, 2, (H, d), generator=gen) * 2 - 1).float()
+    boundaries = lloyd_max_codebook(d, bits, "gaussian").boundaries
+    args = (x, mean, inv_scale, signs, boundaries, bits)
+    norm, codes = cpu_lut.tq_encode(*args)
+    ref_norm, ref_codes = reference.tq_encode(*args)
+    assert norm.dtype == torch.float16 and codes.dtype == torch.uint8 and codes.shape == ref_codes.shape == (2, H, t, d * bits // 8)
+    if mean is None or dtype == torch.float32:  # a bf16 / fp16 copy of the mean does not center to exactly zero
+        assert norm[1, 0, 3].item() == 0
+    assert_norms_equal_except_ties(norm, ref_norm)
+    _, y = reference.tq_rotated_unit(*args[:4])
+    assert_codes_equal_except_ties(codes, ref_codes, y, boundaries, bits)
+    assert ops.implementation("tq_encode", torch.device("cpu")) is cpu_lut.tq_encode
+    with pytest.raises(ValueError, match="power-of-two head_dim"):
+        cpu_lut.tq_encode(torch.randn(1, H, 4, 12), None, None, torch.ones(H, 12), boundaries, bits)
+
 def test_codec_encodes_through_the_op_off_the_cpu_path(monkeypatch):
     """Under the "triton" backend (a GPU's path; here Triton's interpreter, or the CPU fallback it names) an MSE-only
     Hadamard codec encodes through `kvpack::tq_encode`, equal to its torch encode except values on a boundary; a
@@ -423,8 +453,8 @@ def test_fallbacks_warn_once(fresh_dispatch):
     with pytest.warns(RuntimeWarning, match="Triton is not installed"):
         assert ops.implementation("tq_encode", cuda) is reference.tq_encode
     fresh_dispatch.delenv("TRITON_INTERPRET")
-    with pytest.warns(RuntimeWarning, match="runs CUDA tensors"):
-        assert ops.implementation("tq_encode", cpu) is reference.tq_encode
+    with pytest.warns(RuntimeWarning, match="runs CUDA tensors"):  # the CPU path: the C++ kernel where it builds
+        assert ops.implementation("tq_encode", cpu) is (cpu_lut.tq_encode if cpu_lut.available() else reference.tq_encode)
 
 
 def test_triton_backend_runs_the_interpreter_on_cpu(fresh_dispatch):

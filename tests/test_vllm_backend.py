@@ -171,7 +171,9 @@ def _paged_op_reference(op: str, args: tuple) -> tuple[torch.Tensor, ...]:
     if cpu_lut.available():
         assert ops.implementation(op, torch.device("cpu")) is getattr(cpu_lut, op)
         for a, e in zip(getattr(cpu_lut, op)(*args), ref, strict=True):
-            torch.testing.assert_close(a, e, atol=1e-5, rtol=1e-5)
+            # float32 sums over hundreds of tokens in another order: an error relative to the partial's scale (its
+            # largest entry, o and l being unnormalized sums), not to each entry, which may be a cancellation's remainder
+            torch.testing.assert_close(a, e, atol=1e-5 * max(1.0, float(e.abs().amax())) if e.numel() else 1e-5, rtol=1e-5)
     return ref
 
 
@@ -624,13 +626,17 @@ def test_vllm_engine_pool_capacity_and_agreement(tmp_path):
     turboquant:k3v2 pool (with its default 32-token window, whose store for 32 sequences comes out of the 32 MiB) holds
     >= 5x the baseline's tokens, int8 >= 3x; int8's teacher-forced next token agrees with the uncompressed engine's at
     >= 95% (98.6% measured on 8 windows), k3v2's at >= 80% (88% measured on 16 windows; 70% without the window, and a
-    broken read path gives near 0)."""
+    broken read path gives near 0).
+
+    vLLM ends a step that runs past VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS; here 120 s, so on a machine where kvpack's
+    kernels are not built yet (a fresh environment, as in CI) the build must happen while the engine starts, not in
+    its first step (a build takes 4 minutes on 2 cores)."""
     out = tmp_path / "vllm.json"
     cmd = [sys.executable, "-m", "kvpack.bench.vllm", "--methods", "int8", "turboquant:k3v2", "--dtype", "float32", "--prompts", "4",
            "--prompt-tokens", "256", "--kv-mib", "32", "--max-model-len", "512", "--no-throughput", "--seeds", "0", "1", "--out", str(out)]
-    env = dict(os.environ, PYTHONPATH=str(REPO / "src"))
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    env = dict(os.environ, PYTHONPATH=str(REPO / "src"), VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS="120")
+    done = subprocess.run(cmd + ["--log", str(tmp_path / "engines.log")], env=env, capture_output=True, text=True, timeout=1800)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-8000:]
     runs = json.loads(out.read_text())["runs"]
     base, int8, tq = runs["baseline"], runs["int8"], runs["turboquant:k3v2"]
     assert tq["kv_pool_tokens"] >= 5 * base["kv_pool_tokens"]

@@ -117,16 +117,25 @@ def _preemptions(llm) -> int:
 
 
 def spawn(spec: dict, log: Path | None) -> dict:
-    """`run_instance(spec)` in a fresh Python process (a fresh engine); its output goes to `log`."""
+    """`run_instance(spec)` in a fresh Python process (a fresh engine); its output goes to `log` (appended), or to a
+    temporary file when `log` is None. If the engine fails, the error carries the last lines of its own output, so a
+    failure that does not repeat still says why it happened."""
     with tempfile.TemporaryDirectory() as tmp:
         spec_path, result_path = Path(tmp) / "spec.json", Path(tmp) / "result.json"
         spec_path.write_text(json.dumps(spec))
         cmd = [sys.executable, "-m", "kvpack.bench.vllm", "--instance", str(spec_path), "--result", str(result_path)]
+        own_log = Path(tmp) / "engine.log"
         began = time.perf_counter()
-        with open(log or os.devnull, "a") as sink:
+        with open(own_log, "w") as sink:
             proc = subprocess.run(cmd, stdout=sink, stderr=subprocess.STDOUT)
+        output = own_log.read_text(errors="replace")
+        if log is not None:
+            with open(log, "a") as kept:
+                kept.write(output)
         if proc.returncode:
-            raise SystemExit(f"engine {spec['label']} failed (exit {proc.returncode}); its output: {log or 'pass --log FILE'}")
+            tail = "\n".join(output.splitlines()[-40:])
+            where = f"; all of it is in {log}" if log is not None else ""
+            raise SystemExit(f"engine {spec['label']} failed (exit {proc.returncode}){where}; the end of its output:\n{tail}")
         result = json.loads(result_path.read_text())
     result["process_s"] = round(time.perf_counter() - began, 1)
     return result

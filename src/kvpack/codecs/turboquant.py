@@ -350,11 +350,11 @@ class TurboQuantCodec(UnRopedKeys, Codec):
             x = x.float() - self._center(positions, x.shape[0], x.shape[2], x.device)
             mean = None
         else:
-            fused = self._op_encode(x)
-            if fused is not None:
-                return fused
-            x = x.float()
             mean = self._mean(x.device)
+        fused = self._op_encode(x, mean is not None)
+        if fused is not None:
+            return fused
+        x = x.float()
         scale = self._scale(x.device)
         if mean is not None:
             x = x - mean
@@ -383,19 +383,22 @@ class TurboQuantCodec(UnRopedKeys, Codec):
         bits = (r @ self.sketch(x.device).mT >= 0).to(torch.uint8)
         return TurboQuantPacked(x.shape[2], norm16, codes, storable(r.norm(dim=-1, keepdim=True)), pack_bits(bits, 1))
 
-    def _op_encode(self, x: torch.Tensor) -> TurboQuantPacked | None:
-        """Off the CPU (or with `KVPACK_BACKEND=triton` on CPU tensors, Triton's interpreter) an MSE-only codec with a
-        randomized Hadamard encodes through the `kvpack::tq_encode` op: on CUDA one Triton kernel centers, scales,
-        rotates, searches the codebook and packs, where the torch ops below take a dozen launches and float copies
-        of the block (a batch-32 block flush was the GPU's p99 step, docs/guide/gpu.md). None where it does not apply."""
+    def _op_encode(self, x: torch.Tensor, centered: bool) -> TurboQuantPacked | None:
+        """An MSE-only codec with a randomized Hadamard encodes through the `kvpack::tq_encode` op, subtracting its fitted
+        mean when `centered` (a turning mean is subtracted before): on CUDA one Triton kernel, on CPU one C++ pass per
+        row, each centering, scaling, rotating, searching the codebook and packing, where the torch ops below take a
+        dozen launches and float copies of the block (a batch-32 block flush was the GPU's p99 step, docs/guide/gpu.md;
+        on CPU the encode was a serving engine's largest cost after attention, docs/guide/vllm-pool.md). None where it
+        does not apply: QJL, trellis codes, dense rotations, CPU without the C++ kernels (unless the backend is Triton's
+        interpreter)."""
         if self.config.qjl or self.codebook is None or self._trellis_book is not None:
             return None
-        if x.device.type == "cpu" and ops.get_backend() is not ops.Backend.TRITON:
+        if x.device.type == "cpu" and ops.get_backend() is not ops.Backend.TRITON and not kernels.available():
             return None
         signs = self._hadamard_signs(x.device)
         if signs is None:
             return None
-        mean = None if self.mean is None else self._on("mean", self.mean, x.device)
+        mean = None if self.mean is None or not centered else self._on("mean", self.mean, x.device)
         inv_scale = None if self.scale is None else 1.0 / self._on("scale", self.scale, x.device)
         norm, codes = ops.tq_encode(x, mean, inv_scale, signs[:, 0], self._on("boundaries", self.codebook.boundaries, x.device),
                                     self.mse_bits)

@@ -79,7 +79,7 @@ def _is_built(name: str) -> bool:
 def _extension() -> ModuleType | None:
     """Build (or load the cached build of) the extension; None, with one warning, if that fails.
 
-    A build prints one line to stderr before it starts (about a minute, once per CPU, environment and kvpack
+    A build prints one line to stderr before it starts (a few minutes on 2 cores, once per CPU, environment and kvpack
     version): `KVCache(model, ...)` triggers it on CPU, so it never hides inside a decode step."""
     from torch.utils.cpp_extension import load
 
@@ -91,7 +91,7 @@ def _extension() -> ModuleType | None:
         start = time.perf_counter()
         building = not _is_built(name)
         if building:
-            print(f"kvpack: compiling its CPU kernels for this CPU (once, about a minute): {name}", file=sys.stderr, flush=True)
+            print(f"kvpack: compiling its CPU kernels for this CPU (once, a few minutes): {name}", file=sys.stderr, flush=True)
         try:
             ext = load(name=name, sources=[str(p) for p in SOURCES], extra_include_paths=[str(SOURCE_DIR)], extra_cflags=flags, extra_ldflags=["-fopenmp"] if openmp else [], verbose=False)
         except Exception as e:  # no compiler, no headers, a linker error: all mean "use torch"
@@ -445,6 +445,19 @@ def quantize_pack(y: torch.Tensor, boundaries: torch.Tensor, bits: int) -> torch
 def quantize_pack_reference(y: torch.Tensor, boundaries: torch.Tensor, bits: int) -> torch.Tensor:
     return pack_bits(torch.bucketize(y, boundaries).to(torch.uint8), bits)
 
+
+def tq_encode(x: torch.Tensor, mean: torch.Tensor | None, inv_scale: torch.Tensor | None, signs: torch.Tensor,
+              boundaries: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`reference.tq_encode` in C++, one pass per row: x (B, H, T, d) float -> (norm (B, H, T, 1) f16, codes
+    (B, H, T, d·bits/8) u8). The Hadamard runs as butterflies where the reference multiplies by the dense matrix, so a
+    coordinate within float32 rounding of a boundary may take the neighbouring code. Falls back to the torch reference
+    off the CPU or without the kernels."""
+    if not (available() and isinstance(x, torch.Tensor) and x.device.type == "cpu"):
+        return reference.tq_encode(x, mean, inv_scale, signs, boundaries, bits)
+    reference.check_tq_encode(x, mean, inv_scale, signs, boundaries, bits)
+    norm, codes = extension().tq_encode(x.float(), _NONE if mean is None else mean, _NONE if inv_scale is None else inv_scale,
+                                        signs, boundaries, bits)
+    return norm, codes
 
 def trellis_encode(y: torch.Tensor, codebook: torch.Tensor, bits: int) -> torch.Tensor:
     """`reference.trellis_encode` in C++: y (..., n) float -> (..., n) uint8 `bits`-bit symbols of tail-biting paths

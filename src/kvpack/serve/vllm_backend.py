@@ -41,6 +41,7 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionMetadata,
 )
 
+from ..kernels import cpu_lut
 from . import pool_calibration
 from .paged_pool import (
     CausalAttention,
@@ -229,6 +230,10 @@ class KVPackAttentionImpl(CPUAttentionBackendImpl):
         if limits:
             raise NotImplementedError("kvpack KV pool cannot serve this engine: " + "; ".join(limits)
                                       + f'. Remove additional_config["{CONFIG_KEY}"] to run vLLM\'s own KV cache.')
+        # kvpack's C++ kernels build on first use, once per machine and environment (minutes on a small CPU). Built here,
+        # the build is part of the engine's start; left to the first step, it ran inside vLLM's per-step timeout
+        # (VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS, 300 s), and an engine on a fresh machine died at its first request.
+        cpu_lut.available()
         self.format = PoolFormat(self.settings.method, head_size, self.settings.seed, self.settings.calibration is not None)
         self._state = _calibration(self.settings.calibration, config, num_kv_heads, head_size) if self.settings.calibration else None
         _PROCESS_SETTINGS["settings"] = self.settings

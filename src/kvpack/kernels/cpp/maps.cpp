@@ -41,6 +41,95 @@ torch::Tensor quantize_pack(torch::Tensor y, torch::Tensor boundaries, int64_t b
   return out;
 }
 
+// TurboQuant's whole MSE encode, one pass per row: x (B, H, T, D) f32 (D a power of two), mean and inv_scale (H, D)
+// f32 or empty, signs (H, D) f32 ±1, boundaries (2**bits - 1,) f32 sorted. For each row u = x' / ||x'|| with
+// x' = (x - mean) ⊙ inv_scale (u = 0 when x' = 0), y = FWHT(signs ⊙ u) / sqrt(D), codes = boundaries strictly below
+// each y_j, bit-packed LSB-first. Returns (norm (B, H, T, 1) f16, codes (B, H, T, D·bits/8) u8). The torch path
+// takes about eight ops and as many float copies of the block per side and layer; a serving engine's write path
+// runs it for every token of every prefill step.
+std::vector<torch::Tensor> tq_encode(torch::Tensor x, torch::Tensor mean, torch::Tensor inv_scale, torch::Tensor signs,
+                                     torch::Tensor boundaries, int64_t bits) {
+  x = x.contiguous();
+  signs = signs.contiguous();
+  boundaries = boundaries.contiguous();
+  const int64_t B = x.size(0), H = x.size(1), T = x.size(2), D = x.size(3);
+  TORCH_CHECK(D >= 8 && (D & (D - 1)) == 0, "tq_encode: head_dim must be a power of two >= 8");
+  TORCH_CHECK(bits >= 1 && bits <= 4 && boundaries.numel() == (1 << bits) - 1, "tq_encode: 2**bits - 1 boundaries, bits in 1..4");
+  const bool centered = mean.numel() > 0, scaled = inv_scale.numel() > 0;
+  if (centered) mean = mean.contiguous();
+  if (scaled) inv_scale = inv_scale.contiguous();
+  TORCH_CHECK(signs.numel() == H * D && (!centered || mean.numel() == H * D) && (!scaled || inv_scale.numel() == H * D),
+              "tq_encode: signs, mean and inv_scale must be (H, D)");
+  const int64_t nbytes = D * bits / 8;
+  auto norm = torch::empty({B, H, T, 1}, x.options().dtype(torch::kHalf));
+  auto codes = torch::empty({B, H, T, nbytes}, x.options().dtype(torch::kUInt8));
+  // Raw pointers hoisted out of the loops: data_ptr<T>() checks the dtype on every call.
+  const float* xs = x.data_ptr<float>();
+  const float* mp = centered ? mean.data_ptr<float>() : nullptr;
+  const float* sp = scaled ? inv_scale.data_ptr<float>() : nullptr;
+  const float* gp = signs.data_ptr<float>();
+  const float* bnd = boundaries.data_ptr<float>();
+  const int nb = static_cast<int>(boundaries.numel());
+  at::Half* np = norm.data_ptr<at::Half>();
+  uint8_t* cp = codes.data_ptr<uint8_t>();
+  const float root = 1.f / std::sqrt(static_cast<float>(D));
+  const float tiny = std::numeric_limits<float>::min();  // torch.finfo(float32).tiny, the reference's clamp
+  // Rows run inline below the grain (a decode step's few tokens: no parallel region), split across threads above it.
+  at::parallel_for(0, B * H * T, 64, [&](int64_t lo, int64_t hi) {
+    std::vector<float> buf(D);
+    std::vector<uint8_t> level(D);
+    float* y = buf.data();
+    uint8_t* idx = level.data();
+    for (int64_t row = lo; row < hi; ++row) {
+      const int64_t h = (row / T) % H;
+      const float* xr = xs + row * D;
+      double sq = 0.0;  // the norm in double: float32 storage, but no drift over long rows
+      for (int64_t j = 0; j < D; ++j) {
+        float v = xr[j];
+        if (centered) v -= mp[h * D + j];
+        if (scaled) v *= sp[h * D + j];
+        y[j] = v;
+        sq += static_cast<double>(v) * v;
+      }
+      const float n = static_cast<float>(std::sqrt(sq));
+      np[row] = static_cast<at::Half>(n);
+      const float inv = 1.f / std::max(n, tiny);
+      for (int64_t j = 0; j < D; ++j) y[j] = y[j] * inv * gp[h * D + j];
+      for (int64_t len = 1; len < D; len <<= 1) {
+        for (int64_t i = 0; i < D; i += 2 * len) {
+          for (int64_t j = i; j < i + len; ++j) {
+            const float a = y[j], b = y[j + len];
+            y[j] = a + b;
+            y[j + len] = a - b;
+          }
+        }
+      }
+      // Boundaries strictly below each coordinate, one boundary at a time over the row (loops the compiler vectorizes).
+      for (int64_t j = 0; j < D; ++j) {
+        y[j] *= root;
+        idx[j] = 0;
+      }
+      for (int k = 0; k < nb; ++k) {
+        const float b = bnd[k];
+        for (int64_t j = 0; j < D; ++j) idx[j] += b < y[j];
+      }
+      uint8_t* o = cp + row * nbytes;
+      uint32_t acc = 0;
+      int filled = 0, pos = 0;
+      for (int64_t j = 0; j < D; ++j) {
+        acc |= static_cast<uint32_t>(idx[j]) << filled;
+        filled += static_cast<int>(bits);
+        while (filled >= 8) {
+          o[pos++] = static_cast<uint8_t>(acc & 0xFF);
+          acc >>= 8;
+          filled -= 8;
+        }
+      }
+    }
+  });
+  return {norm, codes};
+}
+
 // out[b, h, r, :] = x[b, h, r, :] @ w[h] (+ s[b, h, r] * bias[h]): x (B, H, R, D), w (H, D, E) read through its
 // strides (a transposed rotation is passed as a view), s (B, H, R, 1), bias (H, E), all f32 (s, bias empty for none).
 // The decode step's small per-head products (the query's q.mu, dense rotations): a few rows, so they run on the
@@ -133,6 +222,7 @@ torch::Tensor fwht_rows(torch::Tensor x, torch::Tensor pre, torch::Tensor post, 
 
 KVPACK_BIND(m) {
   using namespace kvpack;
+  m.def("tq_encode", &tq_encode, "TurboQuant MSE encode (center, scale, norm, randomized Hadamard, bucketize, pack), one pass per row");
   m.def("quantize_pack", &quantize_pack, "bucketize against sorted boundaries and bit-pack LSB-first, one pass per row");
   m.def("head_matmul", &head_matmul, "x @ w[h] (+ s * bias[h]) per head, on the calling thread (a few decode rows)");
   m.def("fwht_rows", &fwht_rows, "FWHT(x * pre[h]) * post[h] (+ s * bias[h]) per row, on the calling thread (a few decode rows)");
