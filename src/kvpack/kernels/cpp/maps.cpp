@@ -75,26 +75,33 @@ std::vector<torch::Tensor> tq_encode(torch::Tensor x, torch::Tensor mean, torch:
   const float root = 1.f / std::sqrt(static_cast<float>(D));
   const float tiny = std::numeric_limits<float>::min();  // torch.finfo(float32).tiny, the reference's clamp
   // Rows run inline below the grain (a decode step's few tokens: no parallel region), split across threads above it.
+  // Working rows are float and int32 arrays, never bytes: a uint8_t store may alias any object, which kept the
+  // compiler from vectorizing every loop that wrote codes (500 ns a 64-channel row on one thread, 250 ns as written here).
   at::parallel_for(0, B * H * T, 64, [&](int64_t lo, int64_t hi) {
     std::vector<float> buf(D);
-    std::vector<uint8_t> level(D);
-    float* y = buf.data();
-    uint8_t* idx = level.data();
+    std::vector<int32_t> level(D);
+    float* __restrict y = buf.data();
+    int32_t* __restrict idx = level.data();
     for (int64_t row = lo; row < hi; ++row) {
       const int64_t h = (row / T) % H;
-      const float* xr = xs + row * D;
-      double sq = 0.0;  // the norm in double: float32 storage, but no drift over long rows
-      for (int64_t j = 0; j < D; ++j) {
-        float v = xr[j];
-        if (centered) v -= mp[h * D + j];
-        if (scaled) v *= sp[h * D + j];
-        y[j] = v;
-        sq += static_cast<double>(v) * v;
-      }
-      const float n = static_cast<float>(std::sqrt(sq));
+      const float* __restrict xr = xs + row * D;
+      const float* __restrict mh = centered ? mp + h * D : nullptr;
+      const float* __restrict sh = scaled ? sp + h * D : nullptr;
+      const float* __restrict gh = gp + h * D;
+      for (int64_t j = 0; j < D; ++j) y[j] = xr[j];
+      if (centered)
+        for (int64_t j = 0; j < D; ++j) y[j] -= mh[j];
+      if (scaled)
+        for (int64_t j = 0; j < D; ++j) y[j] *= sh[j];
+      float part[8] = {};  // eight running sums (D is a multiple of 8): a vector's lanes, where one sum is a chain
+      for (int64_t j = 0; j < D; j += 8)
+        for (int l = 0; l < 8; ++l) part[l] += y[j + l] * y[j + l];
+      float sq = 0.f;
+      for (int l = 0; l < 8; ++l) sq += part[l];
+      const float n = std::sqrt(sq);
       np[row] = static_cast<at::Half>(n);
       const float inv = 1.f / std::max(n, tiny);
-      for (int64_t j = 0; j < D; ++j) y[j] = y[j] * inv * gp[h * D + j];
+      for (int64_t j = 0; j < D; ++j) y[j] = y[j] * inv * gh[j];
       for (int64_t len = 1; len < D; len <<= 1) {
         for (int64_t i = 0; i < D; i += 2 * len) {
           for (int64_t j = i; j < i + len; ++j) {
@@ -104,26 +111,21 @@ std::vector<torch::Tensor> tq_encode(torch::Tensor x, torch::Tensor mean, torch:
           }
         }
       }
-      // Boundaries strictly below each coordinate, one boundary at a time over the row (loops the compiler vectorizes).
+      // Boundaries strictly below each coordinate, one boundary at a time over the row.
       for (int64_t j = 0; j < D; ++j) {
         y[j] *= root;
         idx[j] = 0;
       }
       for (int k = 0; k < nb; ++k) {
         const float b = bnd[k];
-        for (int64_t j = 0; j < D; ++j) idx[j] += b < y[j];
+        for (int64_t j = 0; j < D; ++j) idx[j] += b < y[j] ? 1 : 0;
       }
+      // Eight codes fill exactly `bits` bytes, LSB first.
       uint8_t* o = cp + row * nbytes;
-      uint32_t acc = 0;
-      int filled = 0, pos = 0;
-      for (int64_t j = 0; j < D; ++j) {
-        acc |= static_cast<uint32_t>(idx[j]) << filled;
-        filled += static_cast<int>(bits);
-        while (filled >= 8) {
-          o[pos++] = static_cast<uint8_t>(acc & 0xFF);
-          acc >>= 8;
-          filled -= 8;
-        }
+      for (int64_t j = 0; j < D; j += 8) {
+        uint64_t word = 0;
+        for (int l = 0; l < 8; ++l) word |= static_cast<uint64_t>(idx[j + l]) << (bits * l);
+        for (int64_t b = 0; b < bits; ++b) o[(j / 8) * bits + b] = static_cast<uint8_t>(word >> (8 * b));
       }
     }
   });
