@@ -4,6 +4,20 @@
 namespace kvpack {
 namespace {
 
+// The unnormalized Sylvester Walsh-Hadamard transform of y[0, D) in place (D a power of two; primitives/rotation.py's
+// order): the butterflies of the encode and of the query and output maps.
+inline void butterflies(float* __restrict y, int64_t D) {
+  for (int64_t len = 1; len < D; len <<= 1) {
+    for (int64_t i = 0; i < D; i += 2 * len) {
+      for (int64_t j = i; j < i + len; ++j) {
+        const float a = y[j], b = y[j + len];
+        y[j] = a + b;
+        y[j + len] = a - b;
+      }
+    }
+  }
+}
+
 // codes[n] = LSB-first bit-packed bucket indices of y[n] (index = boundaries strictly below the value,
 // torch.bucketize's right=False), one pass per row: the encode step after rotation, for any width 1-8.
 torch::Tensor quantize_pack(torch::Tensor y, torch::Tensor boundaries, int64_t bits) {
@@ -102,15 +116,7 @@ std::vector<torch::Tensor> tq_encode(torch::Tensor x, torch::Tensor mean, torch:
       np[row] = static_cast<at::Half>(n);
       const float inv = 1.f / std::max(n, tiny);
       for (int64_t j = 0; j < D; ++j) y[j] = y[j] * inv * gh[j];
-      for (int64_t len = 1; len < D; len <<= 1) {
-        for (int64_t i = 0; i < D; i += 2 * len) {
-          for (int64_t j = i; j < i + len; ++j) {
-            const float a = y[j], b = y[j + len];
-            y[j] = a + b;
-            y[j + len] = a - b;
-          }
-        }
-      }
+      butterflies(y, D);
       // Boundaries strictly below each coordinate, one boundary at a time over the row.
       for (int64_t j = 0; j < D; ++j) {
         y[j] *= root;
@@ -200,15 +206,7 @@ torch::Tensor fwht_rows(torch::Tensor x, torch::Tensor pre, torch::Tensor post, 
     float* y = dst + row * D;
     const float* xr = xs + row * D;
     for (int64_t j = 0; j < D; ++j) y[j] = has_pre ? xr[j] * prep[h * D + j] : xr[j];
-    for (int64_t len = 1; len < D; len <<= 1) {
-      for (int64_t i = 0; i < D; i += 2 * len) {
-        for (int64_t j = i; j < i + len; ++j) {
-          const float a = y[j], b = y[j + len];
-          y[j] = a + b;
-          y[j + len] = a - b;
-        }
-      }
-    }
+    butterflies(y, D);
     for (int64_t j = 0; j < D; ++j) {
       float v = y[j] * norm;
       if (has_post) v *= postp[h * D + j];
