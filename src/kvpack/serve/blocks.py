@@ -368,12 +368,22 @@ def load_kv(
     half-written file: recompute the chunk); a missing file raises `FileNotFoundError`. A file that loads has its
     modification time renewed, so `evict` removes the least recently used first.
     """
+    # One read of the whole file, then its header and tensors from those bytes: `safetensors.safe_open` reads the
+    # header and the tensor data through separate opens of the path, and a writer replacing the file in between gave
+    # one file's metadata with another's tensors (9 of 4,507 reads beside two writers), a spurious checksum failure.
+    with open(path, "rb") as f:
+        data = f.read()
     try:
-        with safetensors.safe_open(str(path), framework="pt") as f:
-            metadata = dict(f.metadata() or {})
-            check_metadata(metadata, method, expect)  # before reading any tensor
-            tensors = {name: f.get_tensor(name) for name in f.keys()}
-    except safetensors.SafetensorError as err:
+        size = int.from_bytes(data[:8], "little")
+        header = json.loads(data[8 : 8 + size]) if len(data) >= 8 + size else None
+        if not isinstance(header, dict):
+            raise ValueError(f"a header of {size} bytes does not fit in a file of {len(data)}")
+        metadata = dict(header.get("__metadata__") or {})
+        check_metadata(metadata, method, expect)  # before decoding any tensor
+        tensors = safetensors.torch.load(data)
+    except (ValueError, safetensors.SafetensorError) as err:
+        if isinstance(err, BlockMismatch):
+            raise
         raise BlockMismatch(f"{path} is not a readable safetensors file: {err}") from err
     if metadata.get(CHECKSUM) != checksum(tensors, metadata):
         raise BlockMismatch(f"{path} is damaged (its {CHECKSUM} checksum does not match its contents): recompute the chunk")
