@@ -459,6 +459,7 @@ def tq_encode(x: torch.Tensor, mean: torch.Tensor | None, inv_scale: torch.Tenso
                                         signs, boundaries, bits)
     return norm, codes
 
+
 def trellis_encode(y: torch.Tensor, codebook: torch.Tensor, bits: int) -> torch.Tensor:
     """`reference.trellis_encode` in C++: y (..., n) float -> (..., n) uint8 `bits`-bit symbols of tail-biting paths
     through the bitshift trellis of a `(2**L,)` state codebook (the same two Viterbi passes, float32 costs, sixteen rows

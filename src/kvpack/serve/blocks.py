@@ -381,9 +381,9 @@ def load_kv(
         metadata = dict(header.get("__metadata__") or {})
         check_metadata(metadata, method, expect)  # before decoding any tensor
         tensors = safetensors.torch.load(data)
-    except (ValueError, safetensors.SafetensorError) as err:
-        if isinstance(err, BlockMismatch):
-            raise
+    except BlockMismatch:
+        raise
+    except (ValueError, safetensors.SafetensorError) as err:  # a bad header or tensor table
         raise BlockMismatch(f"{path} is not a readable safetensors file: {err}") from err
     if metadata.get(CHECKSUM) != checksum(tensors, metadata):
         raise BlockMismatch(f"{path} is damaged (its {CHECKSUM} checksum does not match its contents): recompute the chunk")
