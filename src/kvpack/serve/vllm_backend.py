@@ -170,29 +170,30 @@ def _calibration(path: str, config: VllmConfig | None, kv_heads: int, head_dim: 
 def vllm_causal(isa: str, block_size: int) -> CausalAttention:
     """`paged_pool.causal_sdpa` through vLLM's own CPU attention kernel, which this engine's uncompressed pool runs
     (about 1.5x torch's SDPA on a fresh 1,000-token prompt here: 8.6 against 12.8 ms per layer, SmolLM2 shapes, bf16):
-    the sequences' exact K, V are laid into a scratch cache of `block_size` blocks in vLLM's layout (as vLLM stages
-    encoder attention), attended causally, and dropped. One function per (isa, block_size), built once: every layer of
-    every step calls it."""
+    the sequences' K, V are laid into a scratch cache of `block_size` blocks in vLLM's layout (as vLLM stages encoder
+    attention), attended causally with each sequence's queries at its last positions (as vLLM runs a chunked
+    prefill), and dropped. One function per (isa, block_size), built once: every layer of every step calls it."""
     from vllm import _custom_ops as ops
 
-    def run(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, lengths: list[int], scale: float) -> torch.Tensor:
+    def run(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, query_lengths: list[int], key_lengths: list[int],
+            scale: float) -> torch.Tensor:
         heads, d = query.shape[1], query.shape[2]
         kv = key.shape[1]
-        blocks = [-(-n // block_size) for n in lengths]
+        blocks = [-(-n // block_size) for n in key_lengths]
         # zeros: slots past a sequence in its last block are read with zero weight, and 0 x NaN garbage would be NaN
         cache = torch.zeros(sum(blocks), kv, block_size * 2, d, dtype=query.dtype)  # vLLM's (blocks, kv, block_size, 2d)
         key_cache, value_cache = cache.chunk(2, dim=2)
-        table = torch.zeros(len(lengths), max(blocks), dtype=torch.int32)
+        table = torch.zeros(len(key_lengths), max(blocks), dtype=torch.int32)
         slots, first = [], 0
-        for i, (n, nb) in enumerate(zip(lengths, blocks, strict=True)):
+        for i, (n, nb) in enumerate(zip(key_lengths, blocks, strict=True)):
             table[i, :nb] = torch.arange(first, first + nb, dtype=torch.int32)
             slots.append(torch.arange(first * block_size, first * block_size + n))
             first += nb
         ops.cpu_attn_reshape_and_cache(key.to(query.dtype), value.to(query.dtype), key_cache, value_cache, torch.cat(slots), isa)
-        seq_lens = torch.tensor(lengths, dtype=torch.int32)
-        starts = torch.zeros(len(lengths) + 1, dtype=torch.int32)
-        starts[1:] = seq_lens.cumsum(0)
-        plan = ops.cpu_attn_get_scheduler_metadata(num_reqs=len(lengths), num_heads=heads, num_kv_heads=kv, head_dim=d, seq_lens=seq_lens,
+        seq_lens = torch.tensor(key_lengths, dtype=torch.int32)
+        starts = torch.zeros(len(query_lengths) + 1, dtype=torch.int32)
+        starts[1:] = torch.tensor(query_lengths, dtype=torch.int32).cumsum(0)
+        plan = ops.cpu_attn_get_scheduler_metadata(num_reqs=len(key_lengths), num_heads=heads, num_kv_heads=kv, head_dim=d, seq_lens=seq_lens,
                                                    dtype=query.dtype, query_start_loc=starts, causal=True, sliding_window_size=-1,
                                                    isa=isa, enable_kv_split=False)
         out = torch.empty_like(query)
