@@ -70,6 +70,8 @@ def run_instance(spec: dict) -> dict:
                   kv_cache_memory_bytes=spec["kv_bytes"], max_num_seqs=spec["max_num_seqs"], disable_log_stats=False)
     if spec.get("kvpack") is not None:
         kwargs["additional_config"] = {"kvpack": spec["kvpack"]}
+    if spec.get("prefix"):
+        kwargs["enable_prefix_caching"] = True
     began = time.perf_counter()
     llm = LLM(**kwargs)
     cache = llm.llm_engine.vllm_config.cache_config
@@ -104,16 +106,33 @@ def run_instance(spec: dict) -> dict:
             out["throughput"]["top_logprobs"] = [
                 [sorted(([tok, lp.logprob] for tok, lp in step.items()), key=lambda e: -e[1])[: t["top_logprobs"]]
                  for step in r.outputs[0].logprobs] for r in res]
+    if spec.get("prefix"):
+        # The same prompts three times: with an empty prefix cache (a miss), again (a hit on their full blocks), and
+        # after emptying the cache (a second miss: how far two misses differ, which no hit can be asked to beat).
+        p = spec["prefix"]
+        prompts = [TokensPrompt(prompt_token_ids=ids) for ids in p["prompts"]]
+        params = SamplingParams(temperature=0.0, max_tokens=p["output_tokens"], ignore_eos=True, logprobs=p["top_logprobs"])
+        out["prefix"] = []
+        for name in ("miss", "hit", "miss_again"):
+            if name != "hit":
+                llm.reset_prefix_cache()
+            hits = _counter(llm, "vllm:prefix_cache_hits")
+            res = llm.generate(prompts, params, use_tqdm=False)
+            out["prefix"].append({"pass": name, "cached_tokens": _counter(llm, "vllm:prefix_cache_hits") - hits,
+                                  "outputs": [list(r.outputs[0].token_ids) for r in res],
+                                  "logprobs": [[{str(tok): lp.logprob for tok, lp in step.items()} for step in r.outputs[0].logprobs]
+                                               for r in res]})
     return out
+
+
+def _counter(llm, name: str) -> int:
+    """The value of one of vLLM's counters (summed over its labels)."""
+    return sum(int(getattr(metric, "value", 0)) for metric in llm.get_metrics() if metric.name == name)
 
 
 def _preemptions(llm) -> int:
     """vLLM's preemption counter (its `vllm:num_preemptions` metric)."""
-    total = 0
-    for metric in llm.get_metrics():
-        if metric.name == "vllm:num_preemptions":
-            total += int(getattr(metric, "value", 0))
-    return total
+    return _counter(llm, "vllm:num_preemptions")
 
 
 def spawn(spec: dict, log: Path | None) -> dict:
