@@ -2,7 +2,8 @@
 
     python experiments/vllm_prefix_hit.py --json bench/results/vllm-prefix-hit-smollm2-135m.json
 
-Each engine (vLLM's own bf16 pool; kvpack's default pool with `exact_chunk` on and off) generates greedy tokens for the
+Each engine (vLLM's own bf16 pool; kvpack's default pool with `exact_chunk` on and off; kvpack's `strict` pools,
+TurboQuant k3v2 and int8) generates greedy tokens for the
 same prompts three times: with an empty prefix cache (a miss), again (a hit on every full block of each prompt), and
 after emptying the cache (a second miss). For each pair of passes: how many requests' generated tokens and top
 log-probabilities are bit-equal, and the largest log-probability difference. Two misses bound what a hit can be asked
@@ -11,7 +12,8 @@ differ, no attention backend can make a hit bit-equal.
 
 A hit computes only a prompt's last tokens, in a smaller step than the miss's, so the model's own matrix products run
 on other shapes; with kvpack's pool and `exact_chunk`, a miss also reads its prompt's tokens exactly where a hit
-reads the stored ones compressed (by design: the step's own tokens are exact). Run with the vLLM environment's Python
+reads the stored ones compressed (by design: the step's own tokens are exact). `strict` reads every position from
+the pool, each query row through the paged kernel as a decode step does, so nothing depends on the schedule. Run with the vLLM environment's Python
 (docs/guide/vllm-pool.md).
 """
 
@@ -29,16 +31,20 @@ from kvpack.bench.vllm import DEFAULT_MODEL, _corpus, spawn, windows
 
 
 def compare(a: dict, b: dict) -> dict:
-    """Requests whose tokens and top log-probabilities are bit-equal between passes `a` and `b`, and the largest
-    difference of a log-probability both passes report."""
+    """Requests whose tokens and top log-probabilities are bit-equal between passes `a` and `b`; the first step of each
+    request where they differ; and the largest difference of a log-probability both passes report at a step whose
+    earlier tokens are equal (after greedy outputs part, the two passes condition on different text)."""
     equal_tokens = sum(x == y for x, y in zip(a["outputs"], b["outputs"], strict=True))
     equal_logprobs = sum(x == y for x, y in zip(a["logprobs"], b["logprobs"], strict=True))
-    diff = 0.0
-    for ra, rb in zip(a["logprobs"], b["logprobs"], strict=True):
-        for sa, sb in zip(ra, rb, strict=True):
+    diff, first = 0.0, []
+    for ta, tb, ra, rb in zip(a["outputs"], b["outputs"], a["logprobs"], b["logprobs"], strict=True):
+        first.append(next((i for i, (sa, sb) in enumerate(zip(ra, rb, strict=True)) if sa != sb), None))
+        for i, (sa, sb) in enumerate(zip(ra, rb, strict=True)):
+            if ta[:i] != tb[:i]:
+                break
             diff = max([diff, *(abs(sa[t] - sb[t]) for t in sa.keys() & sb.keys())])
     return {"requests": len(a["outputs"]), "greedy_equal": equal_tokens, "logprobs_bit_equal": equal_logprobs,
-            "max_logprob_diff": diff}
+            "first_differing_step": first, "max_logprob_diff": diff}
 
 
 def main() -> None:
@@ -48,7 +54,7 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=8)
     p.add_argument("--prompt-tokens", type=int, default=600, help="per prompt; its full blocks of 128 are what a hit reuses")
     p.add_argument("--output-tokens", type=int, default=16)
-    p.add_argument("--kv-mib", type=int, default=64)
+    p.add_argument("--kv-mib", type=int, default=512, help="KV memory per engine: enough for every prompt's blocks to stay cached")
     p.add_argument("--json", type=Path, required=True)
     p.add_argument("--log", type=Path)
     args = p.parse_args()
@@ -58,7 +64,9 @@ def main() -> None:
     common = {"model": args.model, "max_model_len": 2048, "dtype": args.dtype, "kv_bytes": args.kv_mib << 20, "max_num_seqs": 16,
               "prefix": {"prompts": prompts, "output_tokens": args.output_tokens, "top_logprobs": 5}}
     engines = {"baseline": None, "kvpack turboquant:k3v2": {"method": "turboquant:k3v2"},
-               "kvpack turboquant:k3v2, exact_chunk false": {"method": "turboquant:k3v2", "exact_chunk": False}}
+               "kvpack turboquant:k3v2, exact_chunk false": {"method": "turboquant:k3v2", "exact_chunk": False},
+               "kvpack turboquant:k3v2, strict": {"method": "turboquant:k3v2", "strict": True},
+               "kvpack int8, strict": {"method": "int8", "strict": True}}
     rows, runs = [], {}
     for label, pool in engines.items():
         run = spawn({**common, "label": label, **({"kvpack": pool} if pool else {})}, args.log)

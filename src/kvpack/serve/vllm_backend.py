@@ -17,7 +17,10 @@ rotation seed, default 0), calibration (a file of per-layer key/value centering 
 this model, `python -m kvpack.serve.pool_calibration`; TurboQuant only; default none: no centering), sink_tokens
 (each sequence's first tokens also kept exact, in the model's dtype, beside the pool: default 4), window (each running
 sequence's last tokens also kept in int8 in a side store of max_num_seqs rows, taken out of the KV memory: default 32 for TurboQuant, 0 for int8), exact_chunk (default true: the tokens computed in a step attend to each other exactly and
-to the compressed history; false reads them back from the pool too, for measuring what the codes cost).
+to the compressed history; false reads them back from the pool too, for measuring what the codes cost), strict (default
+false: true reads every token from the pool, each query row through the paged kernel as a decode step runs, so a
+request's logits do not depend on batching, chunking or prefix-cache hits; sets sink_tokens 0, window 0, exact_chunk
+false).
 
 Refused when the engine starts, with the limit named: other methods (codec state fitted per prompt), sliding-window,
 encoder and cross attention, ALiBi, logit soft-capping, attention sinks, quantized (fp8) KV dtypes, tensor / pipeline
@@ -59,7 +62,8 @@ logger = init_logger(__name__)
 
 CONFIG_KEY = "kvpack"
 DEFAULT_POOL_METHOD = "turboquant:k3v2"
-OPTIONS = ("method", "seed", "calibration", "sink_tokens", "window", "exact_chunk")
+OPTIONS = ("method", "seed", "calibration", "sink_tokens", "window", "exact_chunk", "strict")
+STRICT_OFF = {"sink_tokens": 0, "window": 0, "exact_chunk": False}  # what `strict` reads from the pool instead
 DEFAULT_SINK_TOKENS = 4  # as kvpack's methods keep (MethodConfig.sink_tokens): the first tokens draw most attention
 # A TurboQuant pool keeps each sequence's last 32 tokens also in int8 rows: SmolLM2's next-token agreement with the
 # uncompressed engine rose from 71.8% to 88.3% and its perplexity loss from +30% to +3.9% (bf16, every position reading
@@ -79,6 +83,7 @@ class PoolSettings:
     sink_tokens: int = DEFAULT_SINK_TOKENS
     window: int | None = None  # None: DEFAULT_WINDOW for TurboQuant, 0 for int8
     exact_chunk: bool = True
+    strict: bool = False
 
     def __post_init__(self):
         PoolFormat(self.method, 64, self.seed, self.calibration is not None)  # names the allowed methods when this one is not
@@ -90,6 +95,12 @@ class PoolSettings:
             raise ValueError(f"kvpack option window (each sequence's last tokens also kept in int8 rows) must be an int in 0..{MAX_WINDOW}, got {self.window!r}")
         if not isinstance(self.exact_chunk, bool):
             raise ValueError(f"kvpack option exact_chunk must be true or false, got {self.exact_chunk!r}")
+        if not isinstance(self.strict, bool):
+            raise ValueError(f"kvpack option strict must be true or false, got {self.strict!r}")
+        if self.strict and any(getattr(self, k) != v for k, v in STRICT_OFF.items()):
+            raise ValueError("kvpack option strict reads every token from the pool, so it takes sink_tokens 0, window 0 and exact_chunk "
+                             f"false (given sink_tokens {self.sink_tokens}, window {self.window}, exact_chunk {self.exact_chunk}); "
+                             "leave those options out and strict sets them")
 
     @classmethod
     def from_config(cls, config: VllmConfig | None) -> PoolSettings | None:
@@ -103,6 +114,8 @@ class PoolSettings:
         unknown = sorted(set(options) - set(OPTIONS))
         if unknown:
             raise ValueError(f'additional_config["{CONFIG_KEY}"] has no option {unknown}; options: {", ".join(OPTIONS)}')
+        if options.get("strict") is True:
+            options = {**STRICT_OFF, **options}
         return cls(**options)
 
 
@@ -312,7 +325,7 @@ class KVPackAttentionImpl(CPUAttentionBackendImpl):
         isa = getattr(layer, "isa", None)  # set on every layer by vLLM's CPU metadata builder
         causal = vllm_causal(isa, kv_cache.shape[2]) if isa is not None and q.dtype in (torch.bfloat16, torch.float32) else None
         out = paged_attention(self.format, codecs, q, k, v, kv_cache, starts, lens, table, self.scale, self.settings.exact_chunk,
-                              sinks, window, causal)
+                              sinks, window, causal, strict=self.settings.strict)
         if plan is not None:
             self._window.write(plan, k, v)
         output[:n].view(n, self.num_heads, self.head_size).copy_(out)
