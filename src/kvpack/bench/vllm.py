@@ -44,6 +44,7 @@ DEFAULT_MODEL = Path("~/.cache/kvpack/hf/smollm2-135m").expanduser()
 BASELINE = "baseline"
 CALIBRATED = "+cal"  # a method label suffix: the pool uses --calibration's static centering and channel scales
 WINDOW = "@window="  # a method label suffix: each sequence's last N tokens also kept exact (the pool's `window` option)
+STRICT = "@strict"  # a method label suffix: the pool's `strict` option (logits independent of the schedule)
 
 
 def _corpus() -> Path:
@@ -194,7 +195,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--corpus", help="a text file (default: gensim's lee_background.cor news corpus)")
     parser.add_argument("--methods", nargs="+", default=["turboquant:k3v2"],
                         help="kvpack pool methods: int8, turboquant:kXvY; turboquant:kXvY+cal uses --calibration; "
-                             "a '@window=N' suffix keeps each sequence's last N tokens exact (e.g. turboquant:k3v2+cal@window=32)")
+                             "a '@window=N' suffix keeps each sequence's last N tokens exact (e.g. turboquant:k3v2+cal@window=32); "
+                             "'@strict' last runs the pool's strict mode (turboquant:k3v2@strict)")
     parser.add_argument("--calibration", help="pool calibration file for +cal methods (python -m kvpack.serve.pool_calibration)")
     parser.add_argument("--dtype", default="bfloat16", help="model dtype in vLLM (float32, bfloat16, auto)")
     parser.add_argument("--kv-mib", type=int, default=64, help="KV cache memory of every engine, MiB (kv_cache_memory_bytes)")
@@ -239,13 +241,14 @@ def main(argv: list[str] | None = None) -> None:
     served_pools = {BASELINE: None}
     draws: dict[str, list[str]] = {BASELINE: [BASELINE]}  # each engine's scored runs, one per rotation seed
     for method in args.methods:
-        label, _, width = method.partition(WINDOW)
+        strict = method.endswith(STRICT)
+        label, _, width = method.removesuffix(STRICT).partition(WINDOW)
         name, cal, rest = label.partition(CALIBRATED)
         if rest or (cal and not args.calibration) or (width and not width.isdigit()):
             raise SystemExit(f"{method!r}: a method, then optionally '{CALIBRATED}' (needs --calibration FILE), then optionally "
                              f"'{WINDOW}N', e.g. turboquant:k3v2{CALIBRATED}{WINDOW}32")
         options = {"method": name, **({"calibration": str(Path(args.calibration).resolve())} if cal else {}),
-                   **({"window": int(width)} if width else {})}
+                   **({"window": int(width)} if width else {}), **({"strict": True} if strict else {})}
         # The pool stores int8 rows (nothing drawn) or TurboQuant codes (a rotation per seed); it refuses anything else.
         seeds = args.seeds[:1] if name == "int8" else args.seeds
         draws[method] = [method if i == 0 else f"{method}@seed={seed}" for i, seed in enumerate(seeds)]
