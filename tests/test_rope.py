@@ -75,13 +75,21 @@ def test_relative_identity_equals_rope_matmul(seed, q_len, tokens, scaling):
 
 
 @settings(max_examples=25, deadline=None)
-@given(st.integers(0, 2**20), st.integers(1, 4), st.integers(1, 9), st.floats(0.5, 2.0))
-def test_rope_mean_scores_equal_products_with_rotated_means(seed, rows, tokens, scaling):
-    """`rope_mean_scores` against the plain route: rotate the mean to every key position, then a matmul."""
+@given(st.integers(0, 2**20), st.integers(1, 4), st.integers(1, 9), st.floats(0.5, 2.0), st.booleans())
+def test_rope_mean_scores_equal_products_with_rotated_means(seed, rows, tokens, scaling, some_pairs):
+    """`rope_mean_scores` against the plain route: rotate the mean to every key position, then a matmul. With
+    `some_pairs`, a random set of pairs has a zero mean in every head and only the others are passed as `pairs`."""
     gen = torch.Generator().manual_seed(seed)
     inv_freq = 1.0 / (1e4 ** (torch.arange(0, HEAD_DIM, 2).float() / HEAD_DIM))
     q = torch.randn(2, 3, rows, HEAD_DIM, generator=gen)
     mean = torch.randn(3, HEAD_DIM, generator=gen)
+    pairs = None
+    if some_pairs:
+        turning = torch.rand(HEAD_DIM // 2, generator=gen) < 0.3
+        mean = mean * turning.repeat(2).float()  # pair i is channels i and i + d/2
+        pairs = turning.nonzero().flatten()
     cos, sin = rope_cos_sin(torch.randint(0, 3000, (2, tokens), generator=gen), inv_freq, scaling)
     rotated = apply_rope(mean[None, :, None, :].expand(2, 3, tokens, HEAD_DIM), cos, sin)  # (2, 3, tokens, d)
-    torch.testing.assert_close(rope_mean_scores(q, mean, cos, sin), q @ rotated.mT, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(rope_mean_scores(q, mean, cos, sin, pairs), q @ rotated.mT, rtol=1e-5, atol=1e-4)
+    base = torch.randn(2, 3, rows, tokens, generator=gen)
+    torch.testing.assert_close(rope_mean_scores(q, mean, cos, sin, pairs, add_to=base), base + q @ rotated.mT, rtol=1e-5, atol=1e-4)

@@ -438,10 +438,10 @@ class TurboQuantCodec(UnRopedKeys, Codec):
         if not kernel or qs is not None:
             part = chunked_scores(lambda block, s, e: self._rotated_scores(q_rot, qs, block, not kernel), packed, q, self._width(q.shape[2]))
             out = part if out is None else out + part
-        if self.rope_mean is not None:  # <q, RoPE_t(μ)> of the turning pairs: two products with the keys' cos/sin
-            out = out + self._turning_scores(q, key_positions, packed.codes.shape[2])
-        if self.mean is not None:  # <q, μ>: one product per query row, Πq·Πμ = q·μ
-            out = out + q @ self._mean(q.device).transpose(-1, -2)
+        if self.rope_mean is not None:  # <q, RoPE_t(μ)> of the turning pairs, added in one matmul with the keys' cos/sin
+            out = self._turning_scores(q, key_positions, packed.codes.shape[2], add_to=out)
+        if self.mean is not None:  # <q, μ>: one product per query row, Πq·Πμ = q·μ (out is this call's own tensor)
+            out = out.add_(q @ self._mean(q.device).transpose(-1, -2))
         return ungroup(out, query.shape[1])
 
     def _rotated_scores(self, q_rot: torch.Tensor, qs: torch.Tensor | None, block: TurboQuantPacked, mse: bool) -> torch.Tensor:
@@ -493,11 +493,18 @@ class TurboQuantCodec(UnRopedKeys, Codec):
         offset = None if self.mean is None else cpu_lut.head_matmul(q, self._mean(q.device)[0].mT)
         return q_rot, offset
 
-    def _turning_scores(self, q: torch.Tensor, key_positions: torch.Tensor | None, tokens: int) -> torch.Tensor:
+    def _turning_scores(self, q: torch.Tensor, key_positions: torch.Tensor | None, tokens: int,
+                        add_to: torch.Tensor | None = None) -> torch.Tensor:
         """`<q, RoPE(rope_mean, p_t)>` `(b, kv, rows, tokens)` for grouped queries `(b, kv, rows, d)` and the keys'
-        positions `(b, tokens)` (as `encode` had them)."""
+        positions `(b, tokens)` (as `encode` had them), plus `add_to` when given."""
         cos, sin = self._cos_sin(key_positions, q.shape[0], tokens, q.device)
-        return rope_mean_scores(q, self._on("rope_mean", self.rope_mean, q.device), cos, sin)
+        held = self.__dict__.get("_turning_union")
+        if held is None or held[0] is not self.rope_mean:  # the pairs that turn in some head, found once per fit
+            half = self.head_dim // 2
+            pairs = (self.rope_mean[:, :half].ne(0) | self.rope_mean[:, half:].ne(0)).any(0).nonzero().flatten()
+            held = self._turning_union = (self.rope_mean, pairs)
+        return rope_mean_scores(q, self._on("rope_mean", self.rope_mean, q.device), cos, sin, self._on("turning_union", held[1], q.device),
+                                add_to)
 
     def kernel_turning(self, q: torch.Tensor, first_position) -> tuple | None:
         """What the CPU kernel needs for `rope_center` keys (`cpu_lut.tq_attention`'s `turning`): the grouped query

@@ -51,15 +51,30 @@ def undo_rope(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
     return (y * cos - rotate_half(y) * sin) / (cos * cos + sin * sin)
 
 
-def rope_mean_scores(q: torch.Tensor, mean: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rope_mean_scores(q: torch.Tensor, mean: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     pairs: torch.Tensor | None = None, add_to: torch.Tensor | None = None) -> torch.Tensor:
     """`<q, RoPE(μ, p_t)>` for each key position `t`, never forming the rotated means.
 
     q: `(batch, heads, rows, d)` RoPE'd queries; mean `(heads, d)` un-RoPEd; cos, sin `(batch, tokens, d)` of the
-    keys' positions (`rope_cos_sin`) -> `(batch, heads, rows, tokens)`. From `RoPE(μ) = μ⊙cos + rotate_half(μ)⊙sin`:
-    `q·RoPE(μ) = (q⊙μ)·cos + (q⊙rotate_half(μ))·sin`, two products over d per token.
+    keys' positions in transformers' layout (`rope_cos_sin`: each pair's angle in channel i and i + d/2) -> `(batch,
+    heads, rows, tokens)`. Per pair i (channels i, i + d/2), `RoPE(μ)` is `(μ₁c - μ₂s, μ₂c + μ₁s)`, so
+    `q·RoPE(μ) = Σ_i c_i (q₁μ₁ + q₂μ₂) + s_i (q₂μ₁ - q₁μ₂)`: one matmul of inner size 2·(pairs) per head, where the
+    plain route (`q⊙μ` against cos, `q⊙rotate_half(μ)` against sin) takes two of size d each. `pairs (M,)` long:
+    the pair indices whose mean is nonzero in some head (the others add nothing); None: every pair. `add_to`, scores
+    of the same shape, is added in the matmul itself (one pass over the output instead of two).
     """
-    mean = mean[None, :, None, :]
-    return torch.einsum("bhrd,btd->bhrt", q * mean, cos) + torch.einsum("bhrd,btd->bhrt", q * rotate_half(mean), sin)
+    batch, heads, rows, d = q.shape
+    half = d // 2
+    q1, q2, m1, m2 = q[..., :half], q[..., half:], mean[None, :, None, :half], mean[None, :, None, half:]
+    c, s = cos[..., :half], sin[..., :half]
+    a, b = q1 * m1 + q2 * m2, q2 * m1 - q1 * m2  # (batch, heads, rows, d/2): each pair's cos and sin coefficients
+    if pairs is not None:
+        a, b, c, s = a[..., pairs], b[..., pairs], c[..., pairs], s[..., pairs]
+    lhs = torch.cat((a, b), -1).reshape(batch, heads * rows, -1)  # heads share the keys' angles: one matmul per batch row
+    rhs = torch.cat((c, s), -1).expand(batch, -1, -1).mT  # (batch, 2M, tokens)
+    if add_to is None:
+        return (lhs @ rhs).view(batch, heads, rows, -1)
+    return torch.baddbmm(add_to.reshape(batch, heads * rows, -1), lhs, rhs).view(add_to.shape)
 
 
 def relative_cos_sin(delta: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
