@@ -31,7 +31,6 @@ from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
-from transformers import DynamicCache
 
 from ._optional import require
 from .allocator import (
@@ -66,6 +65,7 @@ from .allocator import (
 )
 from .attention import NAME, disable, enable
 from .cache import KVCache, KVPackLayer
+from .cache.prompt_widths import fisher_diagonal
 from .eval.generate import forward
 from .registry import DEFAULT_GRAIN, GRAINS, CodecSpec, LayerCodecs, MethodConfig, parse_auto, parse_target, target_name
 from .support import VERSION, cache_kwargs, layer_kinds, text_config
@@ -204,44 +204,6 @@ def _probe_sensitivity(model, base, ref, text, layers, specs, config, tqdm, prog
             "nll_delta": (nll - ref_nll).mean().item(), "head_shares": _shares(heads[(layer, side, b)]),
         })
     return records
-
-
-def fisher_diagonal(model, prompt: torch.Tensor, scored: torch.Tensor, draws: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer, E[g^2] for the prompt's cached keys and values `(1, kv_heads, len(prompt), head_dim)`: an unbiased
-    estimate of the diagonal of sum_t F_t, the Fisher information of the scored tokens' predictions w.r.t. the cache.
-
-    Each draw samples y_t from the model's own prediction and a random sign s_t per scored token and takes the gradient
-    g of sum_t s_t * log p_t(y_t) w.r.t. the cached K/V: E_y[grad grad^T] is F_t, and the signs cancel the cross terms
-    between tokens, so E[g^2] = sum_t diag(F_t). One forward of the scored tokens, `draws` backward passes.
-    """
-    frozen = [(p, p.requires_grad) for p in model.parameters()]
-    for p, _ in frozen:
-        p.requires_grad_(False)  # gradients w.r.t. the cache only: no weight gradients held
-    try:
-        cache = DynamicCache(config=model.config)
-        with torch.no_grad():
-            model(input_ids=prompt.view(1, -1).to(model.device), use_cache=True, **cache_kwargs(model, cache))
-        leaves = []
-        for layer in cache.layers:
-            layer.keys, layer.values = layer.keys.detach().requires_grad_(True), layer.values.detach().requires_grad_(True)
-            leaves += [layer.keys, layer.values]
-        with torch.enable_grad():
-            logits = model(input_ids=scored.view(1, -1).to(model.device), use_cache=True, **cache_kwargs(model, cache)).logits[0]
-            logp = F.log_softmax(logits.float(), dim=-1)
-            gen = torch.Generator().manual_seed(seed)
-            acc = [torch.zeros_like(x, dtype=torch.float32) for x in leaves]
-            rows = torch.arange(len(scored), device=logp.device)
-            for i in range(draws):
-                y = torch.multinomial(logp.detach().exp().cpu(), 1, generator=gen)[:, 0].to(logp.device)
-                signs = (torch.randint(0, 2, (len(scored),), generator=gen) * 2 - 1).to(logp)
-                grads = torch.autograd.grad((signs * logp[rows, y]).sum(), leaves, retain_graph=i < draws - 1, allow_unused=True)
-                for a, g in zip(acc, grads, strict=True):
-                    if g is not None:  # a sliding-window layer's evicted positions get no gradient
-                        a += g.float().square() / draws
-    finally:
-        for p, flag in frozen:
-            p.requires_grad_(flag)
-    return [(acc[2 * i], acc[2 * i + 1]) for i in range(len(cache.layers))]
 
 
 def _fisher_sensitivity(model, base, ref, text, layers, specs, config, tqdm, progress) -> list[dict]:

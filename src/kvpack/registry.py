@@ -105,6 +105,10 @@ class MethodConfig:
     prompt_ratio: a byte target for the prompt: each layer holds at least this many times fewer bytes than fp16
         once the prompt is encoded, every tensor counted. The prompt's value codec (one with `fits_to_budget`,
         Shard's VQ) sizes itself to the bytes the keys, sinks, window and anchors leave (`shard:10x`). 0: none.
+    fisher_tail: key widths per layer placed by the prompt itself (name suffix `@fisher=N`): after the prefill, the
+        prompt's last N tokens are run again with gradients w.r.t. the earlier tokens' cached K/V, and the keys of the
+        layers that signal ranks most sensitive get a fourth bit, paid for by the keys of the least sensitive at two,
+        so the bytes stay the method's (kvpack/cache/prompt_widths.py). Needs 3-bit TurboQuant keys. 0: off.
     """
 
     name: str
@@ -120,6 +124,7 @@ class MethodConfig:
     layer_codecs: tuple[LayerCodecs, ...] = ()
     anchors: float = 0.0
     prompt_ratio: float = 0.0
+    fisher_tail: int = 0
 
     def __post_init__(self):
         for attr in ("key", "value", "prefill_key", "prefill_value"):
@@ -140,6 +145,21 @@ class MethodConfig:
         self._check_layer_codecs()
         self._check_anchors()
         self._check_prompt_ratio()
+        self._check_fisher_tail()
+
+    def _check_fisher_tail(self) -> None:
+        tail = self.fisher_tail
+        if isinstance(tail, bool) or not isinstance(tail, int) or not (tail == 0 or MIN_FISHER_TAIL <= tail <= MAX_FISHER_TAIL):
+            raise ValueError(f"fisher_tail must be 0 (off) or a token count from {MIN_FISHER_TAIL} to {MAX_FISHER_TAIL} "
+                             f"(e.g. '{DEFAULT_METHOD}{FISHER_SUFFIX}128'), got {tail!r}")
+        if not tail:
+            return
+        key = self.key
+        plain = key.codec == "turboquant" and key.options.get("bits") == 3 and not key.options.get("qjl") and not key.options.get("trellis")
+        if not plain or self.layer_codecs or self.tiers or self.prefill_key is not None:
+            raise ValueError(f"method {self.name!r}: '{FISHER_SUFFIX}' moves a key bit between layers, so it takes a method whose keys "
+                             "are 3-bit TurboQuant codes everywhere (no '+qjl', '+tcq', per-layer widths, tiers or prompt codecs), "
+                             f"e.g. '{DEFAULT_METHOD}{FISHER_SUFFIX}128'")
 
     def _check_prompt_ratio(self) -> None:
         ratio = self.prompt_ratio
@@ -215,6 +235,12 @@ class MethodConfig:
         changed = replace(self, window=tokens)  # validates
         return replace(changed, name=f"{self.name}{WINDOW_SUFFIX}{tokens}")
 
+    def with_fisher(self, tail: int) -> MethodConfig:
+        """This method with key widths per layer placed by the prompt's own Fisher signal over its last `tail` tokens
+        (`fisher_tail`), named `name@fisher=N`."""
+        changed = replace(self, fisher_tail=tail)  # validates
+        return replace(changed, name=f"{self.name}{FISHER_SUFFIX}{tail}")
+
     def with_anchors(self, fraction: float) -> MethodConfig:
         """This method with `fraction` of its compressed tokens also kept exact (the most attended ones),
         named `name@anchors=P%`. Half a percent (about ten tokens of 2K) cut turboquant:k3v2's perplexity loss by
@@ -226,7 +252,9 @@ class MethodConfig:
 SEED_SUFFIX = "@seed="  # `turboquant:k3v2@seed=1`: the method's codecs drawn from another seed (`MethodConfig.with_seed`)
 ANCHORS_SUFFIX = "@anchors="  # `turboquant:k3v2@anchors=0.5%`: the most-attended compressed tokens kept exact (`with_anchors`)
 WINDOW_SUFFIX = "@window="  # `turboquant:k3v2@window=32`: the exact recent window's size in tokens (`with_window`)
-SUFFIXES = ("anchors", "window", "seed")  # the order a name carries them in
+FISHER_SUFFIX = "@fisher="  # `...@fisher=128`: key widths per layer placed by the prompt's last 128 tokens (`with_fisher`)
+SUFFIXES = ("anchors", "window", "fisher", "seed")  # the order a name carries them in
+MIN_FISHER_TAIL, MAX_FISHER_TAIL = 16, 4096
 MAX_ANCHORS = 0.25
 MAX_PROMPT_RATIO = 64  # 64x: below one bit per fp16 element is past any codec kvpack has
 
@@ -247,18 +275,18 @@ def _parse_fraction(text: str, method: str) -> float:
 
 
 def split_suffixes(method: str) -> tuple[str, dict[str, Any]]:
-    """`"name[:args]@anchors=P%@window=N@seed=S"` (suffixes in any order, each at most once) -> (`"name[:args]"`,
-    {"anchors": f, "window": N, "seed": S})."""
+    """`"name[:args]@anchors=P%@window=N@fisher=N@seed=S"` (suffixes in any order, each at most once) -> (`"name[:args]"`,
+    {"anchors": f, "window": N, "fisher": N, "seed": S})."""
     base, *parts = method.split("@")
     found: dict[str, Any] = {}
     for part in parts:
         key, sep, value = part.partition("=")
         if not sep or key not in SUFFIXES or key in found:
             raise ValueError(
-                f"{method!r}: a method name takes the suffixes '{ANCHORS_SUFFIX}P%', '{WINDOW_SUFFIX}N' and '{SEED_SUFFIX}N', "
+                f"{method!r}: a method name takes the suffixes '{ANCHORS_SUFFIX}P%', '{WINDOW_SUFFIX}N', '{FISHER_SUFFIX}N' and '{SEED_SUFFIX}N', "
                 f"each at most once, got '@{part}'"
             )
-        if key in ("seed", "window") and not value.isdigit():
+        if key in ("seed", "window", "fisher") and not value.isdigit():
             raise ValueError(f"{method!r}: '@{key}=' takes a non-negative integer, e.g. 'turboquant:k3v2@{key}=1'")
         found[key] = _parse_fraction(value, method) if key == "anchors" else int(value)
     return base, found
@@ -268,7 +296,7 @@ def apply_suffixes(config: MethodConfig, suffixes: dict[str, Any]) -> MethodConf
     """`config` with the options `split_suffixes` read, named in `SUFFIXES` order (`name@anchors=P%@window=N@seed=S`)."""
     for key in SUFFIXES:
         if key in suffixes:
-            config = getattr(config, f"with_{key}")(suffixes[key])  # with_anchors, with_window, with_seed
+            config = getattr(config, f"with_{key}")(suffixes[key])  # with_anchors, with_window, with_fisher, with_seed
     return config
 
 

@@ -15,7 +15,7 @@ from ..allocator import auto_method
 from ..primitives.validation import DEBUG
 from ..registry import DEFAULT_METHOD, CodecSpec, MethodConfig, apply_suffixes, get_method, split_suffixes
 from ..support import layer_kinds, rope_per_layer, rotary_from_config, text_config
-from . import serialize
+from . import prompt_widths, serialize
 from .budget import BudgetEvent, LayerShare, MemoryBudget, PromptTarget, rematerialize
 from .layer import PENDING, KVPackLayer, deepcopy_sharing
 from .placement import Placement, PlacementPolicy
@@ -67,8 +67,14 @@ def _watch_attention_mask(model) -> None:
         if isinstance(cache, KVCache):
             cache.release()
 
+    def placed(module, _args, kwargs, _output):  # after a forward that returned: a prompt that waits for its widths gets them
+        cache = _cache_argument(kwargs)
+        if isinstance(cache, KVCache):
+            cache.place_prompt(module)
+
     model.register_forward_pre_hook(hook, with_kwargs=True)
     model.register_forward_hook(release, with_kwargs=True, always_call=True)
+    model.register_forward_hook(placed, with_kwargs=True)
     model._kvpack_mask_hook = True
 
 
@@ -232,6 +238,14 @@ class KVCache(Cache):
         self.token_ids: torch.Tensor | None = None  # (batch, tokens) ids seen by forwards, kept while a budget is set
         if budget is not None:
             self.set_budget(budget)
+        self.prompt_widths: dict | None = None  # what `place_prompt` did: {"promoted", "demoted", "seconds"} or why not
+        self._prompt_ids: torch.Tensor | None = None
+        if self.method.fisher_tail:
+            if model is None:
+                raise ValueError(f"method {self.method.name!r} runs the model over its prompt's last tokens to place key widths, "
+                                 "so it needs the model itself: KVCache(model, ...), not a config")
+            for layer in self.compressed_layers():
+                layer.hold_prompt = True
         if model is not None:
             _watch_attention_mask(model)
             if any(isinstance(layer, KVPackLayer) for layer in layers) and _on_cpu(model):
@@ -270,9 +284,41 @@ class KVCache(Cache):
         self._forget_journal()
         return rematerialize(self, model)
 
+    def place_prompt(self, model) -> None:
+        """After the prompt's forward, a `fisher_tail` cache places its key widths (kvpack/cache/prompt_widths.py) and
+        compresses the prompt it held exact. A prompt it cannot place from (more than one sequence, no input ids, or
+        too short to leave a compressed block before its tail) keeps the method's own widths, with a warning."""
+        layers = self.compressed_layers()
+        if not layers or not layers[0].hold_prompt:
+            return
+        method, ids = self.method, self._prompt_ids
+        need = method.fisher_tail + method.sink_tokens + method.window + method.block_size
+        try:
+            if ids is None or ids.shape[0] != 1 or ids.shape[1] != self.get_seq_length() or ids.shape[1] < need:
+                why = (f"a prompt of {need} tokens or more from input_ids, one sequence (got "
+                       f"{'inputs_embeds' if ids is None else tuple(ids.shape)})")
+                warnings.warn(f"method {method.name!r} places key widths from {why}; this prompt keeps its 3-bit keys everywhere",
+                              RuntimeWarning, stacklevel=2)
+                self.prompt_widths = {"skipped": why}
+            else:
+                self.prompt_widths = prompt_widths.place(self, model, ids)
+        finally:
+            placed = self.prompt_widths if self.prompt_widths and "promoted" in self.prompt_widths else {"promoted": [], "demoted": []}
+            # The widths become the cache's method (per-layer codecs), which a saved file keeps and a loaded one builds.
+            self.method = prompt_widths.placed_method(method, placed["promoted"], placed["demoted"])
+            self._prompt_ids = None
+            for layer in layers:
+                layer.method = self.method.for_layer(layer.layer_idx)
+                layer._codecs.pop("stream_key", None)  # none is built before the first flush; a stale one would keep 3 bits
+                layer.hold_prompt = False
+                layer.flush()
+
     def observe_input_ids(self, input_ids: torch.Tensor | None) -> None:
         """Record a forward's `input_ids (batch, new)` after the ids of the tokens the cache holds (budget only):
-        the ids of evicted tokens are what `rematerialize` runs the model over."""
+        the ids of evicted tokens are what `rematerialize` runs the model over. A prompt whose key widths wait for
+        it (`fisher_tail`) keeps its ids until they are placed."""
+        if self.method.fisher_tail and self.compressed_layers() and self.compressed_layers()[0].hold_prompt:
+            self._prompt_ids = input_ids if input_ids is not None and input_ids.dim() == 2 else None
         if self.budget is None:
             return
         held = self.get_seq_length()

@@ -146,6 +146,7 @@ class KVPackLayer(CacheLayerMixin):
     tracker = None  # a kvpack.cache.tracker.QualityTracker, set by KVCache.track; told of every flushed block
     budget = None  # a kvpack.cache.budget.LayerShare, set by KVCache.set_budget: bytes this layer may hold after a forward
     prompt_target = None  # a kvpack.cache.budget.PromptTarget, set by KVCache for a method with a prompt_ratio
+    hold_prompt = False  # True from a `fisher_tail` cache's start until its prompt's widths are placed: flush keeps all
     # Where blocks go, when they move, what stays exact and what a budget evicts (kvpack.cache.placement); KVCache sets
     # another for `KVCache(..., placement=...)`.
     placement: Placement = DEFAULT_PLACEMENT
@@ -418,6 +419,8 @@ class KVPackLayer(CacheLayerMixin):
     def flush(self) -> None:
         """Compress what overflows the window (called after attention read it), then keep the memory budget."""
         self.pending_attention = False
+        if self.hold_prompt:  # the prompt stays exact until the cache has placed its key widths (prompt_widths.place)
+            return
         flushed = self._flush_blocks()
         if self.segments:  # after the prompt, a forward's queries serve only its own flush
             self.fit_queries = None

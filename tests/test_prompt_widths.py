@@ -1,0 +1,112 @@
+"""Key widths placed by the prompt's own Fisher signal (`@fisher=N`, kvpack/cache/prompt_widths.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvpack
+from kvpack.cache import prompt_widths
+from kvpack.eval.generate import forward, greedy
+from kvpack.eval.memory import memory_report
+from kvpack.models import tiny_random_model
+from kvpack.registry import get_method
+from kvpack.text import token_stream
+
+METHOD = "turboquant:k3v2+ropemean@anchors=0.5%@window=8"
+
+
+def test_pairs_trade_the_largest_gains_against_the_smallest_costs():
+    """Hand-worked: gains (3 -> 4 bits) 9, 5, 1, 0.5 and costs (3 -> 2 bits) 8, 4, 0.3, 0.2 for layers 0-3. Pair 1:
+    gain 9 (layer 0) against cost 0.2 (layer 3); pair 2: gain 5 (layer 1) against cost 0.3 (layer 2); pair 3 would
+    promote layer 2, already demoted: stop."""
+    pred = {0: {2: 18, 3: 10, 4: 1}, 1: {2: 10, 3: 6, 4: 1}, 2: {2: 2.3, 3: 2, 4: 1}, 3: {2: 1.7, 3: 1.5, 4: 1}}
+    assert prompt_widths.pairs(pred) == ([0, 1], [3, 2])
+    # A gain below the cost it would pay for is not taken: no pair when every fourth bit is worth less than a second.
+    flat = {i: {2: 10.0, 3: 5.0, 4: 4.0} for i in range(4)}
+    assert prompt_widths.pairs(flat) == ([], [])
+
+
+def test_the_suffix_is_parsed_and_refused_where_no_bit_can_move():
+    method = get_method(f"{kvpack.DEFAULT_METHOD}@fisher=128@seed=2")
+    assert method.fisher_tail == 128 and method.name.endswith("@fisher=128@seed=2")
+    for bad, words in (("turboquant:k4v4@fisher=64", "3-bit TurboQuant"), ("int8@fisher=64", "3-bit TurboQuant"),
+                       ("turboquant:k3v2+tcq@fisher=64", "3-bit TurboQuant"), (f"{kvpack.DEFAULT_METHOD}@fisher=8", "from 16 to")):
+        with pytest.raises(ValueError, match=words):
+            get_method(bad)
+    model, _ = tiny_random_model(seed=0)
+    with pytest.raises(ValueError, match="needs the model itself"):
+        kvpack.KVCache(model.config, f"{METHOD}@fisher=16")
+
+
+def _prefilled(model, ids, method):
+    kvpack.enable(model)
+    try:
+        cache = kvpack.KVCache(model, method)
+        logits = forward(model, ids, cache)
+        return cache, logits, memory_report(cache, model.config)["total_bytes"]
+    finally:
+        kvpack.disable(model)
+
+
+def test_placed_widths_move_key_bits_between_layers_at_the_same_bytes(monkeypatch, tmp_path):
+    """With predictions that make layer 1's keys worth a fourth bit and layer 0's a second bit less, the prompt is
+    stored with those widths: the layers' key codecs hold 4 and 2 bits, the bytes are the uniform method's exactly,
+    a saved and loaded cache holds the same keys, and the cache decodes on."""
+    model, tokenizer = tiny_random_model(seed=0)
+    ids = token_stream(tokenizer, "pydoc", 300)
+    seen = []
+
+    def forced(g2, keys, layer_idx, tokens):
+        seen.append((layer_idx, tuple(g2.shape), tuple(keys.shape), tokens))
+        return {2: 1.0, 3: 0.9, 4: 0.85} if layer_idx == 0 else {2: 9.0, 3: 5.0, 4: 1.0}
+
+    monkeypatch.setattr(prompt_widths, "predicted_key_kl", forced)
+    cache, logits, placed_bytes = _prefilled(model, ids, f"{METHOD}@fisher=16")
+    assert cache.prompt_widths["promoted"] == [1] and cache.prompt_widths["demoted"] == [0]
+    # the Fisher covers the 284 tokens before the tail; the 8-token window plus half a 64-token block is left out
+    assert [s[0] for s in seen] == [0, 1] and all(s[1] == s[2] == (1, 2, 300 - 16 - 4 - 8 - 32, 64) and s[3] == 16 for s in seen)
+    layers = cache.compressed_layers()
+    assert [layer.codec("stream", "key").config.bits for layer in layers] == [2, 4]
+    assert all(layer.codec("stream", "value").config.bits == 2 for layer in layers)
+    assert all(layer.segments and not layer.hold_prompt for layer in layers)
+    _, _, uniform_bytes = _prefilled(model, ids, METHOD)
+    assert placed_bytes == uniform_bytes
+    # The placed widths are the cache's method now: a saved file keeps them and a loaded cache reads the same keys.
+    assert cache.method.fisher_tail == 0 and [e.layers for e in cache.method.layer_codecs] == [(1,), (0,)]
+    path = tmp_path / "placed.kvpack"
+    cache.save(path)
+    loaded = kvpack.KVCache.load(path, model)
+    assert [layer.codec("stream", "key").config.bits for layer in loaded.compressed_layers()] == [2, 4]
+    assert not any(layer.hold_prompt for layer in loaded.compressed_layers())
+    for a, b in zip(cache.compressed_layers(), loaded.compressed_layers(), strict=True):
+        torch.testing.assert_close(a.dequantized()[0], b.dequantized()[0], rtol=0, atol=0)
+    kvpack.enable(model)
+    try:
+        assert len(greedy(model, cache, logits, 6)) == 6
+    finally:
+        kvpack.disable(model)
+
+
+def test_the_real_signal_places_pairs_or_nothing_and_keeps_the_bytes():
+    model, tokenizer = tiny_random_model(seed=0)
+    ids = token_stream(tokenizer, "pydoc", 300)
+    cache, _, placed_bytes = _prefilled(model, ids, f"{METHOD}@fisher=16")
+    record = cache.prompt_widths
+    assert len(record["promoted"]) == len(record["demoted"]) and not set(record["promoted"]) & set(record["demoted"])
+    bits = {layer.layer_idx: layer.codec("stream", "key").config.bits for layer in cache.compressed_layers()}
+    assert {i for i, b in bits.items() if b == 4} == set(record["promoted"]) and {i for i, b in bits.items() if b == 2} == set(record["demoted"])
+    assert placed_bytes == _prefilled(model, ids, METHOD)[2]
+
+
+@pytest.mark.parametrize("case", ["short", "batch"])
+def test_a_prompt_it_cannot_place_from_keeps_its_widths_and_says_why(case):
+    model, tokenizer = tiny_random_model(seed=0)
+    ids = token_stream(tokenizer, "pydoc", 80 if case == "short" else 300)  # 80: a block to compress, under the 92 the tail needs
+    if case == "batch":
+        ids = torch.stack([ids, ids.flip(0)])
+    with pytest.warns(RuntimeWarning, match="keeps its 3-bit keys everywhere"):
+        cache, _, placed_bytes = _prefilled(model, ids, f"{METHOD}@fisher=16")
+    assert "skipped" in cache.prompt_widths
+    assert all(layer.codec("stream", "key").config.bits == 3 and layer.segments for layer in cache.compressed_layers())
+    assert placed_bytes == _prefilled(model, ids, METHOD)[2]
