@@ -59,11 +59,11 @@ def prefill_dynamic(model, ids: torch.Tensor, chunk: int = 2048):
 
 
 def needs_queries(method) -> bool:
-    """Whether `method` reads the prompt's queries (a prompt codec's fit, e.g. Shard's PCA rank, or its anchors),
-    which only a real forward under `kvpack.enable` shows it."""
+    """Whether `method` reads the prompt's queries (a prompt codec's fit, e.g. Shard's PCA rank, or its anchors) or
+    runs the model over its prompt (`@fisher`), which only a real forward under `kvpack.enable` gives it."""
     config = get_method(method)
     spec = config.prefill_key
-    return config.anchors > 0 or (spec is not None and spec.codec_class.fits_on_queries)
+    return config.anchors > 0 or config.fisher_tail > 0 or (spec is not None and spec.codec_class.fits_on_queries)
 
 
 @torch.no_grad()
