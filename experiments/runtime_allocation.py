@@ -35,6 +35,7 @@ from kvpack import DEFAULT_METHOD, KVCache, auto  # noqa: E402
 from kvpack.attention import disable  # noqa: E402
 from kvpack.bench.env import environment  # noqa: E402
 from kvpack.cache import KVCache as ProbeCache  # noqa: E402
+from kvpack.cache import prompt_widths  # noqa: E402
 from kvpack.eval.generate import forward  # noqa: E402
 from kvpack.eval.memory import memory_report  # noqa: E402
 from kvpack.eval.methods import BASELINE, attention_for, make_cache  # noqa: E402
@@ -59,17 +60,8 @@ def key_predictions(model, prompt: torch.Tensor, tail: int, draws: int, layers: 
 
 
 def pairs(pred: dict[tuple[int, int], float], layers: list[int]) -> tuple[list[int], list[int]]:
-    """(promoted, demoted) layers: greedy pairs of the largest predicted gain of 3 -> 4 bits against the smallest
-    predicted cost of 3 -> 2 bits, while the gain exceeds the cost (a layer is promoted or demoted, not both)."""
-    gains = sorted(layers, key=lambda lay: -(pred[(lay, 3)] - pred[(lay, 4)]))
-    costs = sorted(layers, key=lambda lay: pred[(lay, 2)] - pred[(lay, 3)])
-    up, down = [], []
-    for g, c in zip(gains, costs, strict=True):
-        if g in down or c in up or g == c or pred[(g, 3)] - pred[(g, 4)] <= pred[(c, 2)] - pred[(c, 3)]:
-            break
-        up.append(g)
-        down.append(c)
-    return up, down
+    """(promoted, demoted) layers: the cache's own pairing rule (`prompt_widths.pairs`) on these predictions."""
+    return prompt_widths.pairs({lay: {b: pred[(lay, b)] for b in KEY_BITS} for lay in layers})
 
 
 def allocated(method: str, up: list[int], down: list[int]):

@@ -95,13 +95,15 @@ def pairs(pred: dict[int, dict[int, float]]) -> tuple[list[int], list[int]]:
     return up, down
 
 
-def place(cache, model, ids: torch.Tensor) -> dict:
+def place(cache, model, ids: torch.Tensor, *, tail: int | None = None, draws: int = DRAWS, seed: int = 0) -> dict:
     """The layers whose keys get a fourth bit and those that give one up, from the prompt `ids (1, P)` that `cache`
-    holds uncompressed (`KVPackLayer.hold_prompt`). Returns {"promoted", "demoted", "seconds"}."""
+    holds uncompressed (`KVPackLayer.hold_prompt`); reads the cache, changes nothing. tail: the scored tokens (None:
+    the method's `fisher_tail`); draws, seed: the Fisher estimate's backward passes and sampling seed.
+    Returns {"promoted", "demoted", "seconds", "predicted": {layer: {bits: predicted KL}}}."""
     start = time.perf_counter()
     layers = cache.compressed_layers()
     method = layers[0].method
-    tail = method.fisher_tail
+    tail = method.fisher_tail if tail is None else tail
     prefix = ids.shape[1] - tail
     held = {layer.layer_idx: (torch.cat([layer.sink_k, layer.win_k], 2), torch.cat([layer.sink_v, layer.win_v], 2)) for layer in layers}
     dynamic = None
@@ -111,7 +113,7 @@ def place(cache, model, ids: torch.Tensor) -> dict:
             k, v = held[idx]
             dynamic.update(k[:, :, :prefix].to(model.dtype), v[:, :, :prefix].to(model.dtype), idx)
     # else (sliding-window layers keep only their window): fisher_diagonal prefills the prefix itself
-    fisher = fisher_diagonal(model, ids[0, :prefix], ids[0, prefix:], DRAWS, cache=dynamic)
+    fisher = fisher_diagonal(model, ids[0, :prefix], ids[0, prefix:], draws, seed=seed, cache=dynamic)
     # The tail's queries read their nearest tokens exactly where a later query would find them in the window, which
     # holds `window` to `window + block_size` recent tokens as blocks leave it: those prefix tokens, the last
     # window + block_size / 2, are left out of the prediction (their gradients are the tail's, not a later token's).
@@ -121,7 +123,7 @@ def place(cache, model, ids: torch.Tensor) -> dict:
         keys = held[layer.layer_idx][0][:, :, lo:hi]
         pred[layer.layer_idx] = predicted_key_kl(fisher[layer.layer_idx][0][:, :, lo:hi], keys, layer.layer_idx, tail)
     up, down = pairs(pred)
-    return {"promoted": up, "demoted": down, "seconds": time.perf_counter() - start}
+    return {"promoted": up, "demoted": down, "seconds": time.perf_counter() - start, "predicted": pred}
 
 
 def placed_method(method: MethodConfig, up: list[int], down: list[int]) -> MethodConfig:
