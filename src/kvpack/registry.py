@@ -151,7 +151,7 @@ class MethodConfig:
         tail = self.fisher_tail
         if isinstance(tail, bool) or not isinstance(tail, int) or not (tail == 0 or MIN_FISHER_TAIL <= tail <= MAX_FISHER_TAIL):
             raise ValueError(f"fisher_tail must be 0 (off) or a token count from {MIN_FISHER_TAIL} to {MAX_FISHER_TAIL} "
-                             f"(e.g. '{DEFAULT_METHOD}{FISHER_SUFFIX}128'), got {tail!r}")
+                             f"(e.g. '{DEFAULT_METHOD}{FISHER_SUFFIX}32'), got {tail!r}")
         if not tail:
             return
         key = self.key
@@ -159,7 +159,7 @@ class MethodConfig:
         if not plain or self.layer_codecs or self.tiers or self.prefill_key is not None:
             raise ValueError(f"method {self.name!r}: '{FISHER_SUFFIX}' moves a key bit between layers, so it takes a method whose keys "
                              "are 3-bit TurboQuant codes everywhere (no '+qjl', '+tcq', per-layer widths, tiers or prompt codecs), "
-                             f"e.g. '{DEFAULT_METHOD}{FISHER_SUFFIX}128'")
+                             f"e.g. '{DEFAULT_METHOD}{FISHER_SUFFIX}32'")
 
     def _check_prompt_ratio(self) -> None:
         ratio = self.prompt_ratio
@@ -252,7 +252,7 @@ class MethodConfig:
 SEED_SUFFIX = "@seed="  # `turboquant:k3v2@seed=1`: the method's codecs drawn from another seed (`MethodConfig.with_seed`)
 ANCHORS_SUFFIX = "@anchors="  # `turboquant:k3v2@anchors=0.5%`: the most-attended compressed tokens kept exact (`with_anchors`)
 WINDOW_SUFFIX = "@window="  # `turboquant:k3v2@window=32`: the exact recent window's size in tokens (`with_window`)
-FISHER_SUFFIX = "@fisher="  # `...@fisher=128`: key widths per layer placed by the prompt's last 128 tokens (`with_fisher`)
+FISHER_SUFFIX = "@fisher="  # `...@fisher=32`: key widths per layer placed by the prompt's last 32 tokens (`with_fisher`)
 SUFFIXES = ("anchors", "window", "fisher", "seed")  # the order a name carries them in
 MIN_FISHER_TAIL, MAX_FISHER_TAIL = 16, 4096
 MAX_ANCHORS = 0.25

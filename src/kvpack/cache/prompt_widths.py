@@ -2,8 +2,8 @@
 
 A few layers' keys carry most of what 3-bit keys lose (docs/notes/auto.md, "Where each model loses"); a calibrated
 profile finds them per model. This finds them per prompt, with no calibration: after the prefill, the prompt's last
-N tokens are run once more with gradients w.r.t. the earlier tokens' cached K/V, and each layer's keys at 2, 3 and 4
-bits are predicted as the second-order KL sum_i E[g_i^2] * delta_i^2 / 2 per scored token (`fisher_diagonal`; delta
+N tokens are run once more with gradients w.r.t. the earlier tokens' cached K/V (one backward pass), and each
+layer's keys at 2, 3 and 4 bits are predicted as the second-order KL sum_i E[g_i^2] * delta_i^2 / 2 per scored token (`fisher_diagonal`; delta
 the codec's error on the keys the layer will compress). That ranks layers as the calibrated profiles' measured KL
 does (Spearman 0.79-0.94 on SmolLM2-135M and Qwen2.5-0.5B, `experiments/runtime_fisher.py`). Layers are then paired
 greedily, the largest predicted gain of a fourth bit against the smallest predicted cost of a second bit less, while
@@ -24,7 +24,10 @@ from ..registry import CodecSpec, LayerCodecs, MethodConfig
 from ..support import cache_kwargs
 
 KEY_BITS = (2, 3, 4)  # the widths a 3-bit key layer can take: one bit less, its own, one more
-DRAWS = 2  # backward passes (the estimate's noise falls as 1/sqrt(draws)): with two, layers ranked at Spearman 0.79-0.94 (above)
+# Backward passes. Each is the tail's cost again, and the pairs it misses are the marginal ones: scored by an 8-pass
+# estimate, one pass over a 32-token tail keeps 89% (SmolLM2) and 99% (Qwen2.5) of the predicted gain that two over 128
+# keep 96% and 99.6% of, at a third of the time (experiments/fisher_signal_cost.py).
+DRAWS = 1
 
 
 def fisher_diagonal(model, prompt: torch.Tensor, scored: torch.Tensor, draws: int, seed: int = 0,
