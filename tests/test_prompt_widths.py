@@ -99,14 +99,83 @@ def test_the_real_signal_places_pairs_or_nothing_and_keeps_the_bytes():
     assert placed_bytes == _prefilled(model, ids, METHOD)[2]
 
 
-@pytest.mark.parametrize("case", ["short", "batch"])
+@pytest.mark.parametrize("case", ["short", "padded"])
 def test_a_prompt_it_cannot_place_from_keeps_its_widths_and_says_why(case):
     model, tokenizer = tiny_random_model(seed=0)
-    ids = token_stream(tokenizer, "pydoc", 80 if case == "short" else 300)  # 80: a block to compress, under the 92 the tail needs
-    if case == "batch":
-        ids = torch.stack([ids, ids.flip(0)])
-    with pytest.warns(RuntimeWarning, match="keeps its 3-bit keys everywhere"):
-        cache, _, placed_bytes = _prefilled(model, ids, f"{METHOD}@fisher=16")
-    assert "skipped" in cache.prompt_widths
-    assert all(layer.codec("stream", "key").config.bits == 3 and layer.segments for layer in cache.compressed_layers())
+    ids = token_stream(tokenizer, "pydoc", 80 if case == "short" else 300)[None]  # 80: a block to compress, under the 92 the tail needs
+    mask = torch.ones_like(ids)
+    if case == "padded":  # the second row left-padded by 5 tokens
+        ids = torch.cat([ids, torch.cat([torch.zeros_like(ids[:, :5]), ids[:, :-5]], 1)])
+        mask = torch.cat([mask, torch.cat([torch.zeros_like(mask[:, :5]), mask[:, :-5]], 1)])
+    kvpack.enable(model)
+    try:
+        with pytest.warns(RuntimeWarning, match="keeps its 3-bit keys everywhere"):
+            cache = kvpack.KVCache(model, f"{METHOD}@fisher=16")
+            model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+        assert "skipped" in cache.prompt_widths and ("left-padded" in cache.prompt_widths["skipped"]) == (case == "padded")
+        assert all(layer.codec("stream", "key").config.bits == 3 and layer.segments for layer in cache.compressed_layers())
+        uniform = kvpack.KVCache(model, METHOD)
+        model(input_ids=ids, attention_mask=mask, past_key_values=uniform, use_cache=True)
+    finally:
+        kvpack.disable(model)
+    assert memory_report(cache, model.config)["total_bytes"] == memory_report(uniform, model.config)["total_bytes"]
+
+
+def test_a_batch_of_rows_of_one_length_gets_one_set_of_widths(monkeypatch):
+    """Two unpadded rows: the prediction reads both rows' keys and Fisher diagonal (their signal summed, per scored
+    token of both), the widths it places hold for both rows, the bytes are the uniform method's, decoding goes on."""
+    model, tokenizer = tiny_random_model(seed=0)
+    one = token_stream(tokenizer, "pydoc", 300)
+    ids = torch.stack([one, token_stream(tokenizer, "news", 300)])
+    seen = []
+    real = prompt_widths.predicted_key_kl
+
+    def recorded(g2, keys, layer_idx, tokens):
+        seen.append((tuple(g2.shape), tuple(keys.shape), tokens))
+        return real(g2, keys, layer_idx, tokens)
+
+    monkeypatch.setattr(prompt_widths, "predicted_key_kl", recorded)
+    cache, logits, placed_bytes = _prefilled(model, ids, f"{METHOD}@fisher=16")
+    assert "promoted" in cache.prompt_widths
+    assert seen and all(g == k == (2, 2, 300 - 16 - 4 - 8 - 32, 64) and t == 2 * 16 for g, k, t in seen)
+    bits = {layer.layer_idx: layer.codec("stream", "key").config.bits for layer in cache.compressed_layers()}
+    assert {i for i, b in bits.items() if b == 4} == set(cache.prompt_widths["promoted"])
     assert placed_bytes == _prefilled(model, ids, METHOD)[2]
+    kvpack.enable(model)
+    try:
+        step = model(input_ids=logits[:, -1].argmax(-1, keepdim=True), past_key_values=cache, use_cache=True).logits
+    finally:
+        kvpack.disable(model)
+    assert step.shape[:2] == (2, 1) and torch.isfinite(step).all()
+
+
+def test_place_reads_the_held_prompt_and_changes_nothing():
+    """`place` is a function of the held prompt: the same seed gives the same predictions, the held K/V are untouched,
+    and another tail (other scored tokens, another prefix) predicts otherwise."""
+    model, tokenizer = tiny_random_model(seed=0)
+    ids = token_stream(tokenizer, "pydoc", 300)[None]
+    seen = {}
+
+    class Probed(kvpack.KVCache):
+        def place_prompt(self, model) -> None:
+            layers = self.compressed_layers()
+            before = [(layer.win_k.clone(), layer.win_v.clone()) for layer in layers]
+            a = prompt_widths.place(self, model, self._prompt_ids, tail=16, draws=2, seed=3)
+            b = prompt_widths.place(self, model, self._prompt_ids, tail=16, draws=2, seed=3)
+            c = prompt_widths.place(self, model, self._prompt_ids, tail=48, draws=1, seed=3)
+            seen.update(a=a, b=b, c=c)
+            for layer, (k, v) in zip(layers, before, strict=True):
+                assert torch.equal(layer.win_k, k) and torch.equal(layer.win_v, v) and layer.hold_prompt
+            super().place_prompt(model)
+
+    kvpack.enable(model)
+    try:
+        cache = Probed(model, f"{METHOD}@fisher=16")
+        forward(model, ids[0], cache)
+    finally:
+        kvpack.disable(model)
+    a, b, c = seen["a"], seen["b"], seen["c"]
+    assert a["predicted"] == b["predicted"] and (a["promoted"], a["demoted"]) == (b["promoted"], b["demoted"])
+    assert set(a["predicted"]) == set(c["predicted"]) == {0, 1}
+    assert all(c["predicted"][i] != a["predicted"][i] for i in (0, 1))
+    assert not any(layer.hold_prompt for layer in cache.compressed_layers())

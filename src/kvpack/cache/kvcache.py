@@ -286,17 +286,18 @@ class KVCache(Cache):
 
     def place_prompt(self, model) -> None:
         """After the prompt's forward, a `fisher_tail` cache places its key widths (kvpack/cache/prompt_widths.py) and
-        compresses the prompt it held exact. A prompt it cannot place from (more than one sequence, no input ids, or
-        too short to leave a compressed block before its tail) keeps the method's own widths, with a warning."""
+        compresses the prompt it held exact; a batch of rows of one length gets one set of widths for all. A prompt it
+        cannot place from (left-padded rows, no input ids, or too short to leave a compressed block before its tail)
+        keeps the method's own widths, with a warning."""
         layers = self.compressed_layers()
         if not layers or not layers[0].hold_prompt:
             return
         method, ids = self.method, self._prompt_ids
         need = method.fisher_tail + method.sink_tokens + method.window + method.block_size
         try:
-            if ids is None or ids.shape[0] != 1 or ids.shape[1] != self.get_seq_length() or ids.shape[1] < need:
-                why = (f"a prompt of {need} tokens or more from input_ids, one sequence (got "
-                       f"{'inputs_embeds' if ids is None else tuple(ids.shape)})")
+            if ids is None or layers[0].pad is not None or ids.shape[1] != self.get_seq_length() or ids.shape[1] < need:
+                got = "inputs_embeds" if ids is None else "left-padded rows" if layers[0].pad is not None else f"{ids.shape[1]} tokens"
+                why = f"a prompt of {need} tokens or more from input_ids, its rows unpadded (got {got})"
                 warnings.warn(f"method {method.name!r} places key widths from {why}; this prompt keeps its 3-bit keys everywhere",
                               RuntimeWarning, stacklevel=2)
                 self.prompt_widths = {"skipped": why}

@@ -32,14 +32,16 @@ DRAWS = 1
 
 def fisher_diagonal(model, prompt: torch.Tensor, scored: torch.Tensor, draws: int, seed: int = 0,
                     cache: DynamicCache | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer, E[g^2] for the prompt's cached keys and values `(1, kv_heads, len(prompt), head_dim)`: an unbiased
-    estimate of the diagonal of sum_t F_t, the Fisher information of the scored tokens' predictions w.r.t. the cache.
+    """Per layer, E[g^2] for the prompt's cached keys and values `(rows, kv_heads, len(prompt), head_dim)`: an
+    unbiased estimate of the diagonal of sum_t F_t, the Fisher information of the scored tokens' predictions w.r.t.
+    the cache. prompt `(P,)` or `(rows, P)`, scored `(T,)` or `(rows, T)`: unpadded rows, each its own sequence.
 
     Each draw samples y_t from the model's own prediction and a random sign s_t per scored token and takes the gradient
     g of sum_t s_t * log p_t(y_t) w.r.t. the cached K/V: E_y[grad grad^T] is F_t, and the signs cancel the cross terms
     between tokens, so E[g^2] = sum_t diag(F_t). One forward of the scored tokens, `draws` backward passes.
     cache: a DynamicCache already holding `prompt`'s K/V (its tensors are replaced by leaves); None prefills one.
     """
+    prompt, scored = prompt.view(-1, prompt.shape[-1]), scored.view(-1, scored.shape[-1])
     frozen = [(p, p.requires_grad) for p in model.parameters()]
     for p, _ in frozen:
         p.requires_grad_(False)  # gradients w.r.t. the cache only: no weight gradients held
@@ -47,20 +49,20 @@ def fisher_diagonal(model, prompt: torch.Tensor, scored: torch.Tensor, draws: in
         if cache is None:
             cache = DynamicCache(config=model.config)
             with torch.no_grad():
-                model(input_ids=prompt.view(1, -1).to(model.device), use_cache=True, **cache_kwargs(model, cache))
+                model(input_ids=prompt.to(model.device), use_cache=True, **cache_kwargs(model, cache))
         leaves = []
         for layer in cache.layers:
             layer.keys, layer.values = layer.keys.detach().requires_grad_(True), layer.values.detach().requires_grad_(True)
             leaves += [layer.keys, layer.values]
         with torch.enable_grad():
-            logits = model(input_ids=scored.view(1, -1).to(model.device), use_cache=True, **cache_kwargs(model, cache)).logits[0]
-            logp = F.log_softmax(logits.float(), dim=-1)
+            logits = model(input_ids=scored.to(model.device), use_cache=True, **cache_kwargs(model, cache)).logits
+            logp = F.log_softmax(logits.float(), dim=-1).flatten(0, 1)  # (rows * T, vocab): every scored token alike
             gen = torch.Generator().manual_seed(seed)
             acc = [torch.zeros_like(x, dtype=torch.float32) for x in leaves]
-            rows = torch.arange(len(scored), device=logp.device)
+            rows = torch.arange(scored.numel(), device=logp.device)
             for i in range(draws):
                 y = torch.multinomial(logp.detach().exp().cpu(), 1, generator=gen)[:, 0].to(logp.device)
-                signs = (torch.randint(0, 2, (len(scored),), generator=gen) * 2 - 1).to(logp)
+                signs = (torch.randint(0, 2, (scored.numel(),), generator=gen) * 2 - 1).to(logp)
                 grads = torch.autograd.grad((signs * logp[rows, y]).sum(), leaves, retain_graph=i < draws - 1, allow_unused=True)
                 for a, g in zip(acc, grads, strict=True):
                     if g is not None:  # a sliding-window layer's evicted positions get no gradient
@@ -72,8 +74,8 @@ def fisher_diagonal(model, prompt: torch.Tensor, scored: torch.Tensor, draws: in
 
 
 def predicted_key_kl(g2: torch.Tensor, keys: torch.Tensor, layer_idx: int, tokens: int) -> dict[int, float]:
-    """{bits: the second-order KL of storing `keys (1, kv, n, d)` at bits}, `g2` their Fisher diagonal (same shape),
-    per scored token of `tokens`; the codecs are `kvpack.auto`'s key codecs (`allocator.codec_spec`)."""
+    """{bits: the second-order KL of storing `keys (rows, kv, n, d)` at bits}, `g2` their Fisher diagonal (same
+    shape), per scored token of `tokens` (all rows'); the codecs are `kvpack.auto`'s key codecs (`allocator.codec_spec`)."""
     out = {}
     kv, d = keys.shape[1], keys.shape[3]
     for bits in KEY_BITS:
@@ -99,9 +101,10 @@ def pairs(pred: dict[int, dict[int, float]]) -> tuple[list[int], list[int]]:
 
 
 def place(cache, model, ids: torch.Tensor, *, tail: int | None = None, draws: int = DRAWS, seed: int = 0) -> dict:
-    """The layers whose keys get a fourth bit and those that give one up, from the prompt `ids (1, P)` that `cache`
-    holds uncompressed (`KVPackLayer.hold_prompt`); reads the cache, changes nothing. tail: the scored tokens (None:
-    the method's `fisher_tail`); draws, seed: the Fisher estimate's backward passes and sampling seed.
+    """The layers whose keys get a fourth bit and those that give one up, from the prompt `ids (rows, P)` that `cache`
+    holds uncompressed (`KVPackLayer.hold_prompt`; unpadded rows get one set of widths, from their summed signal);
+    reads the cache, changes nothing. tail: the scored tokens per row (None: the method's `fisher_tail`); draws,
+    seed: the Fisher estimate's backward passes and sampling seed.
     Returns {"promoted", "demoted", "seconds", "predicted": {layer: {bits: predicted KL}}}."""
     start = time.perf_counter()
     layers = cache.compressed_layers()
@@ -116,7 +119,7 @@ def place(cache, model, ids: torch.Tensor, *, tail: int | None = None, draws: in
             k, v = held[idx]
             dynamic.update(k[:, :, :prefix].to(model.dtype), v[:, :, :prefix].to(model.dtype), idx)
     # else (sliding-window layers keep only their window): fisher_diagonal prefills the prefix itself
-    fisher = fisher_diagonal(model, ids[0, :prefix], ids[0, prefix:], draws, seed=seed, cache=dynamic)
+    fisher = fisher_diagonal(model, ids[:, :prefix], ids[:, prefix:], draws, seed=seed, cache=dynamic)
     # The tail's queries read their nearest tokens exactly where a later query would find them in the window, which
     # holds `window` to `window + block_size` recent tokens as blocks leave it: those prefix tokens, the last
     # window + block_size / 2, are left out of the prediction (their gradients are the tail's, not a later token's).
@@ -124,7 +127,7 @@ def place(cache, model, ids: torch.Tensor, *, tail: int | None = None, draws: in
     pred = {}
     for layer in layers:
         keys = held[layer.layer_idx][0][:, :, lo:hi]
-        pred[layer.layer_idx] = predicted_key_kl(fisher[layer.layer_idx][0][:, :, lo:hi], keys, layer.layer_idx, tail)
+        pred[layer.layer_idx] = predicted_key_kl(fisher[layer.layer_idx][0][:, :, lo:hi], keys, layer.layer_idx, tail * ids.shape[0])
     up, down = pairs(pred)
     return {"promoted": up, "demoted": down, "seconds": time.perf_counter() - start, "predicted": pred}
 
