@@ -172,6 +172,12 @@ def encode_kv(
     `(inv_freq, attention_scaling)`, needed only by codecs that read positions (the default's `+ropemean` keys).
     """
     method = get_method(method)
+    if method.fisher_tail:  # its widths are a cache's, placed by running the model over that cache's own prompt
+        raise ValueError(
+            f"method {method.name!r} places key widths per prompt by running the model ('@fisher'), which stored blocks "
+            "cannot: they hold one width per layer for every prompt. Store with the method without '@fisher', or with "
+            "the method a placed cache holds (cache.method, its widths fixed)"
+        )
     if keys.ndim != 4 or keys.shape != values.shape:
         raise ValueError(
             f"keys and values must both be (layers, tokens, kv_heads, head_dim), got {tuple(keys.shape)} and {tuple(values.shape)}"
