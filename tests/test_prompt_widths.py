@@ -179,3 +179,36 @@ def test_place_reads_the_held_prompt_and_changes_nothing():
     assert set(a["predicted"]) == set(c["predicted"]) == {0, 1}
     assert all(c["predicted"][i] != a["predicted"][i] for i in (0, 1))
     assert not any(layer.hold_prompt for layer in cache.compressed_layers())
+
+
+def test_a_hybrid_model_places_from_the_prompts_own_sliding_layer_states(monkeypatch):
+    """Gemma3 with a sliding-window layer: while the prompt is held its sliding layer records every token, so the
+    Fisher pass reads the prefix's K/V from the cache instead of prefilling it again; its predictions equal those of
+    the pass that prefills the prefix itself (the independent route), and afterwards the sliding layer keeps its
+    window only and the bytes are the uniform method's."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+
+    torch.manual_seed(0)
+    cfg = Gemma3TextConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=64, sliding_window=16,
+                           layer_types=["sliding_attention", "full_attention", "full_attention"])
+    model = Gemma3ForCausalLM(cfg).eval()
+    ids = torch.randint(0, 64, (1, 300), generator=torch.Generator().manual_seed(1))
+    calls, real = [], prompt_widths.fisher_diagonal
+
+    def recorded(model, prompt, scored, draws, seed=0, cache=None):
+        calls.append(cache is not None)
+        out = real(model, prompt, scored, draws, seed=seed, cache=cache)
+        if cache is not None:  # the same signal from a prefix prefilled again
+            again = real(model, prompt, scored, draws, seed=seed)
+            for layer in (1, 2):
+                torch.testing.assert_close(out[layer][0], again[layer][0], rtol=1e-3, atol=1e-9)
+        return out
+
+    monkeypatch.setattr(prompt_widths, "fisher_diagonal", recorded)
+    cache, _, placed_bytes = _prefilled(model, ids, f"{METHOD}@fisher=16")
+    assert calls == [True] and "promoted" in cache.prompt_widths
+    sliding = cache.layers[0]
+    assert isinstance(sliding, DynamicSlidingWindowLayer) and not sliding.record_past and sliding.keys.shape[-2] == 15
+    assert placed_bytes == _prefilled(model, ids, METHOD)[2]

@@ -246,6 +246,9 @@ class KVCache(Cache):
                                  "so it needs the model itself: KVCache(model, ...), not a config")
             for layer in self.compressed_layers():
                 layer.hold_prompt = True
+            for layer in self.layers:  # the Fisher pass reads the prefix's K/V as the prompt's forward left them
+                if isinstance(layer, DynamicSlidingWindowLayer) and hasattr(layer, "activate_past_recording"):
+                    layer.activate_past_recording()  # keeps every token until the widths are placed (place_prompt)
         if model is not None:
             _watch_attention_mask(model)
             if any(isinstance(layer, KVPackLayer) for layer in layers) and _on_cpu(model):
@@ -313,6 +316,11 @@ class KVCache(Cache):
                 layer._codecs.pop("stream_key", None)  # none is built before the first flush; a stale one would keep 3 bits
                 layer.hold_prompt = False
                 layer.flush()
+            for layer in self.layers:
+                if isinstance(layer, DynamicSlidingWindowLayer) and getattr(layer, "record_past", False):
+                    layer.record_past = False  # back to the window (what its own update keeps: the last window - 1)
+                    if layer.is_initialized:
+                        layer.keys, layer.values = layer.keys[:, :, -layer.sliding_window + 1:], layer.values[:, :, -layer.sliding_window + 1:]
 
     def observe_input_ids(self, input_ids: torch.Tensor | None) -> None:
         """Record a forward's `input_ids (batch, new)` after the ids of the tokens the cache holds (budget only):

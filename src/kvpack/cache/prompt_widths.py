@@ -112,13 +112,16 @@ def place(cache, model, ids: torch.Tensor, *, tail: int | None = None, draws: in
     tail = method.fisher_tail if tail is None else tail
     prefix = ids.shape[1] - tail
     held = {layer.layer_idx: (torch.cat([layer.sink_k, layer.win_k], 2), torch.cat([layer.sink_v, layer.win_v], 2)) for layer in layers}
+    for idx, layer in enumerate(cache.layers):  # other layers: sliding-window ones record the whole prompt while it is held
+        if idx not in held and getattr(layer, "keys", None) is not None and layer.keys.shape[-2] == ids.shape[1]:
+            held[idx] = (layer.keys, layer.values)
     dynamic = None
-    if len(layers) == len(cache.layers):  # every layer holds the whole prompt: the prefix's K/V are at hand
-        dynamic = DynamicCache()
+    if len(held) == len(cache.layers):  # every layer's K/V of the prefix at hand: the prefill need not run again
+        dynamic = DynamicCache(config=model.config)  # sliding-window layers keep the prefix's last window, as a prefill leaves them
         for idx in range(len(cache.layers)):
             k, v = held[idx]
             dynamic.update(k[:, :, :prefix].to(model.dtype), v[:, :, :prefix].to(model.dtype), idx)
-    # else (sliding-window layers keep only their window): fisher_diagonal prefills the prefix itself
+    # else (a layer that kept only part of the prompt): fisher_diagonal prefills the prefix itself
     fisher = fisher_diagonal(model, ids[:, :prefix], ids[:, prefix:], draws, seed=seed, cache=dynamic)
     # The tail's queries read their nearest tokens exactly where a later query would find them in the window, which
     # holds `window` to `window + block_size` recent tokens as blocks leave it: those prefix tokens, the last
