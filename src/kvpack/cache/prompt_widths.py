@@ -3,11 +3,13 @@
 A few layers' keys carry most of what 3-bit keys lose (docs/notes/auto.md, "Where each model loses"); a calibrated
 profile finds them per model. This finds them per prompt, with no calibration: after the prefill, the prompt's last
 N tokens are run once more with gradients w.r.t. the earlier tokens' cached K/V (one backward pass), and each
-layer's keys at 2, 3 and 4 bits are predicted as the second-order KL sum_i E[g_i^2] * delta_i^2 / 2 per scored token (`fisher_diagonal`; delta
-the codec's error on the keys the layer will compress). That ranks layers as the calibrated profiles' measured KL
-does (Spearman 0.79-0.94 on SmolLM2-135M and Qwen2.5-0.5B, `experiments/runtime_fisher.py`). Layers are then paired
-greedily, the largest predicted gain of a fourth bit against the smallest predicted cost of a second bit less, while
-the gain exceeds the cost: one key bit more on one layer, one less on another, so the bytes are the method's own.
+layer's keys at 2, 3 and 4 bits are predicted as the second-order KL sum_i E[g_i^2] * delta_i^2 / 2 per scored token
+(`fisher_diagonal`; delta the codec's error on the keys the layer will compress). That ranks layers as the
+calibrated profiles' measured KL does (Spearman 0.79-0.94 on SmolLM2-135M and Qwen2.5-0.5B,
+`experiments/runtime_fisher.py`). Layers are then paired greedily, the largest predicted gain of a fourth bit against
+the smallest predicted cost of a second bit less, while the gain exceeds the cost: one key bit more on one layer, one
+less on another, so the bytes are the method's own. On hybrid models the sliding-window layers record the held
+prompt too, so the pass reads every layer's prefix K/V from the cache rather than prefilling it again.
 """
 
 from __future__ import annotations
