@@ -12,7 +12,8 @@ prompt, and a prompt-only codec (Shard's) holds only the first `--prompt` tokens
 
 `NAME|budget=R` runs NAME under a `MemoryBudget` of 1/R of the fp16 bytes of the whole run's tokens (the bytes every
 layer's K and V would take in fp16 at the end): past it the cache first demotes warm blocks into the archive, then
-evicts; the row counts both.
+evicts; the row counts both. `NAME|bytes-of=OTHER` runs NAME under a budget of the most bytes OTHER (listed before it)
+held after any forward of the same draw: a placement set by the budget against a fixed boundary, at equal peak bytes.
 
 An archive variant is `archive:AFTER[/kB][/eE][/vqN][/fitF][/refitR][/warm=METHOD]`: the `tiered:AFTER:shard` layout
 with the PCA keys' average bits B and energy E, N value codewords per 4 channels, fits on F tokens, refit at a rise R
@@ -111,7 +112,9 @@ def fp16_bytes_per_token(model) -> int:
     return cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 2 * 2
 
 
-def run(model, ids: torch.Tensor, method: MethodConfig, prompt: int, follow: int, chunk: int, budget: float = 0.0) -> tuple[dict, object]:
+def run(model, ids: torch.Tensor, method: MethodConfig, prompt: int, follow: int, chunk: int, budget: float = 0.0,
+        max_bytes: int = 0) -> tuple[dict, object]:
+    """One pass of the protocol; `budget` R: a MemoryBudget of 1/R of the run's fp16 bytes, or `max_bytes` exactly."""
     refits: dict[int, int] = {}
     measure = tiers.measure_tier
 
@@ -122,14 +125,21 @@ def run(model, ids: torch.Tensor, method: MethodConfig, prompt: int, follow: int
         return errors
 
     tiers.measure_tier = counting
+    peak, held = [0], None
     try:
-        limit = kvpack.MemoryBudget(int(fp16_bytes_per_token(model) * (prompt + follow) / budget)) if budget else None
+        if budget:
+            max_bytes = int(fp16_bytes_per_token(model) * (prompt + follow) / budget)
+        limit = kvpack.MemoryBudget(max_bytes) if max_bytes else None
         cache = kvpack.KVCache(model, method, budget=limit)
+        held = model.register_forward_hook(  # the most the cache held after any forward (the budget's measure)
+            lambda *_: peak.__setitem__(0, max(peak[0], sum(layer.nbytes() for layer in cache.compressed_layers()))))
         t0 = time.perf_counter()
         result = perplexity(model, ids, cache, prefix=prompt, chunk=chunk, n_score=follow, progress=False)
         seconds = time.perf_counter() - t0
     finally:
         tiers.measure_tier = measure
+        if held is not None:
+            held.remove()
     metrics = collect(cache)
     state = tier_state(cache)
     per_tier = {}
@@ -138,11 +148,11 @@ def run(model, ids: torch.Tensor, method: MethodConfig, prompt: int, follow: int
         per_tier[t.tier] = {"tokens": t.tokens, "bytes": t.bytes, "state_bytes": state.get(t.tier, 0),
                             "x_fp16": t.fp16_bytes / held if held else math.nan}
     row = {"method": method.name, "ppl": result.ppl, "total_bytes": metrics.total_bytes, "x_fp16": metrics.ratio,
-           "tiers": per_tier, "fits_per_layer": sorted(refits.values()) if refits else [], "seconds": seconds,
+           "peak_bytes": peak[0], "tiers": per_tier, "fits_per_layer": sorted(refits.values()) if refits else [], "seconds": seconds,
            "bytes_by_age": bytes_by_age(cache)}
-    if budget:
+    if limit is not None:
         events = cache.budget_events
-        row["budget"] = {"fp16_fraction": 1 / budget, "max_bytes": limit.max_bytes,
+        row["budget"] = {"fp16_fraction": limit.max_bytes / (fp16_bytes_per_token(model) * (prompt + follow)), "max_bytes": limit.max_bytes,
                          "demoted_tokens": sum(e.tokens for e in events if e.action == "demote"),
                          "evicted_tokens": sum(e.tokens for e in events if e.action == "evict")}
     return row, result
@@ -169,35 +179,48 @@ def main(argv: list[str] | None = None) -> dict:
     base = perplexity(model, ids, make_cache(model, "dynamic"), prefix=args.prompt, chunk=args.chunk,
                       n_score=args.follow, progress=False)
     rows, summary, firsts = [], [], []  # one row per (method, draw); the mean and range over draws per method
+    done: dict[str, list[dict]] = {}  # each method's rows so far, by its name in --methods
     for name in [m for m in args.methods.split(",") if m]:
         draws = []
         method_name, _, budget = name.partition("|budget=")
+        method_name, _, other = method_name.partition("|bytes-of=")
+        if other and other not in done:
+            raise SystemExit(f"{name!r}: list {other!r} before it in --methods (its bytes set this run's budget)")
         for seed in seeds:
-            row, result = run(model, ids, resolve(method_name, seed), args.prompt, args.follow, args.chunk, float(budget or 0))
-            if budget:
-                row["method"] += f"|budget={budget}"
+            max_bytes = next(r["peak_bytes"] for r in done.get(other, []) if r["seed"] == seed) if other else 0
+            row, result = run(model, ids, resolve(method_name, seed), args.prompt, args.follow, args.chunk, float(budget or 0), max_bytes)
+            if budget or other:
+                row["method"] += f"|budget={budget}" if budget else f"|bytes-of={other}"
             row["seed"], row["ppl_delta_pct"] = seed, delta(result, base)[0]
             row["ppl_delta_ci"] = list(delta_ci(result, base))
             draws.append(row)
+            save(args, base, env, [*rows, *draws], summary)  # after every pass: a stopped run keeps what it measured
             print(f"{row['method']}: {row['x_fp16']:.2f}x, {row['ppl_delta_pct']:+.2f}% "
                   f"[{row['ppl_delta_ci'][0]:+.1f}, {row['ppl_delta_ci'][1]:+.1f}], tiers "
                   + ", ".join(f"{k} {v['tokens']} tok {v['x_fp16']:.2f}x" for k, v in row["tiers"].items())
                   + f", fits/layer {row['fits_per_layer'][:1]}..{row['fits_per_layer'][-1:]}, {row['seconds']:.0f} s", flush=True)
         deltas = [d["ppl_delta_pct"] for d in draws]
         rows += draws
+        done[name] = draws
         firsts.append(draws[0])
         summary.append({"method": name, "draws": len(draws), "mean_delta_pct": statistics.fmean(deltas), "min_delta_pct": min(deltas),
                         "max_delta_pct": max(deltas), "sd_delta_pct": statistics.stdev(deltas) if len(deltas) > 1 else 0.0,
                         "mean_x_fp16": statistics.fmean(d["x_fp16"] for d in draws)})
         print(f"== {name}: mean {summary[-1]['mean_delta_pct']:+.2f}% ({min(deltas):+.2f} to {max(deltas):+.2f}), "
               f"{summary[-1]['mean_x_fp16']:.2f}x", flush=True)
+    out = save(args, base, env, rows, summary)
+    if args.plot:
+        plot(firsts, args.plot, args.model)
+    return out
+
+
+def save(args: argparse.Namespace, base, env: dict, rows: list[dict], summary: list[dict]) -> dict:
+    """The result so far, written to `--json` when given (the summary holds the methods whose draws all ran)."""
     out = {"config": vars(args) | {"json": str(args.json), "plot": str(args.plot)}, "baseline_ppl": base.ppl,
            "environment": env, "rows": rows, "summary": summary}
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(out, indent=1) + "\n")
-    if args.plot:
-        plot(firsts, args.plot, args.model)
     return out
 
 

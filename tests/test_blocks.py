@@ -43,6 +43,24 @@ def test_block_run_appends_without_copying_earlier_blocks_and_truncates_by_offse
     assert run.length == 300 and torch.equal(run.view().codes, before)
 
 
+def test_compact_frees_the_slack_and_keeps_the_live_tokens_and_an_earlier_view():
+    codec = Int8Codec(Int8Config(), 64, 2)
+    blocks = [codec.encode(torch.randn(1, 2, 64, 64)) for _ in range(6)]
+    run = BlockRun(blocks[0])
+    for blk in blocks[1:4]:  # 256 tokens in buffers grown to 320
+        run.append(blk)
+    live = sum(b.nbytes() for b in blocks[:4])
+    held = run.nbytes()
+    earlier = run.view()  # what a rollback snapshot or a running forward may hold
+    before = earlier.codes.clone()
+    assert held > live and run.compact() == held - live and run.nbytes() == live
+    assert torch.equal(run.view().codes, before) and torch.equal(earlier.codes, before)
+    assert run.compact() == 0
+    for blk in blocks[4:]:  # it grows again from the compacted buffers
+        run.append(blk)
+    assert torch.equal(run.view().codes, torch.cat([b.codes for b in blocks], dim=2))
+
+
 @pytest.mark.parametrize("method", ["turboquant:k3v2", "int8", "shard", "kivi:2"])
 def test_crop_keeps_compressed_prefix_bit_identical_and_matches_dynamic_semantics(method):
     layer, _, _ = _layer(method, 4 + 64 * 6 + 10)

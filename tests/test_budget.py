@@ -89,6 +89,35 @@ def test_tiers_are_compressed_further_before_anything_is_evicted(tiny):
     assert any(seg.kind == "tier1" and seg.start + seg.length > cache.get_seq_length() - 512 for seg in cache.layers[0].segments)
 
 
+def _archived(cache) -> list[int]:
+    """Tokens each compressed layer holds in its archive (`tier1` segments)."""
+    return [sum(seg.length for seg in layer.segments if seg.kind == "tier1") for layer in cache.compressed_layers()]
+
+
+@torch.no_grad()
+def test_a_budget_never_archives_what_a_fixed_boundary_with_its_peak_bytes_keeps_warm(tiny):
+    # A fixed age boundary archives every token older than it; a budget of the most bytes that boundary ever held
+    # archives the oldest warm blocks only when the bytes would pass it. So at every step it holds at most the fixed
+    # boundary's archive (never a token the boundary keeps warm) within the same peak: more of the context precise.
+    def trace(cache):
+        seen: list[tuple[list[int], int]] = []
+        hook = tiny.register_forward_hook(lambda *_: seen.append((_archived(cache), sum(_held(cache)))))
+        try:
+            tiny.generate(_ids(300), past_key_values=cache, max_new_tokens=200, min_new_tokens=200, do_sample=False)
+        finally:
+            hook.remove()
+        return seen
+
+    fixed = trace(kvpack.KVCache(tiny, "tiered:128:tq"))
+    peak = max(held for _, held in fixed)
+    cache = kvpack.KVCache(tiny, "tiered:2048:tq", budget=kvpack.MemoryBudget(peak))
+    placed = trace(cache)
+    pairs = [(p, f) for (ps, _), (fs, _) in zip(placed, fixed, strict=True) for p, f in zip(ps, fs, strict=True)]
+    assert len(placed) == 200 and max(held for _, held in placed) <= peak
+    assert all(p <= f for p, f in pairs) and sum(p < f for p, f in pairs) > 50
+    assert placed[-1][0][0] > 0 and not any(e.action == "evict" for e in cache.budget_events)  # it did archive, never evict
+
+
 @pytest.mark.parametrize("method", ["int8", "turboquant:k4v4", "kivi:4"])
 @pytest.mark.parametrize("batch", [1, 2])
 def test_rematerialized_kv_are_within_the_codec_error_of_the_originals(tiny, method, batch):

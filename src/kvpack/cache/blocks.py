@@ -93,6 +93,17 @@ class BlockRun:
         run._template = run.view()
         return run
 
+    def compact(self) -> int:
+        """Free the spare capacity: the live tokens move into buffers of their size (new ones, so a snapshot holding
+        the old buffers stays valid). Returns the bytes freed (0 when there was no slack)."""
+        before = self.nbytes()
+        if self.capacity == self.length:
+            return 0
+        self._bufs = {name: buf[:, :, : self.length].clone() for name, buf in self._bufs.items()}
+        self.__dict__.pop("_view", None)
+        self._template = self.view()  # the old template's fields would keep the old buffers alive
+        return before - self.nbytes()
+
     def map(self, fn) -> None:
         """Apply `fn` to the live tokens of every field (batch reorder/select); slack is dropped."""
         self._bufs = {n: fn(b[:, :, : self.length]) for n, b in self._bufs.items()}

@@ -5,6 +5,7 @@ layers (they hold one method on tokens of one shape). After every forward each o
 its share, counted as `KVPackLayer.memory()` counts: every tensor it holds, capacity slack and codec state
 included. A layer over its share, in this order:
 
+0. frees its block runs' spare capacity (growth slack: a copy, no token moves);
 1. **compresses further** (`compress_first`, methods with tiers): moves its oldest warm block into its oldest
    tier now instead of when the block ages past the boundary;
 2. **evicts** its oldest compressed tokens, right after the sinks, in whole blocks. Evicted tokens leave
@@ -152,6 +153,10 @@ def enforce(layer) -> None:
     share = layer.budget
     held = layer.nbytes()
     while held > share.limit:
+        freed = sum(seg.compact() for seg in layer.segments)  # spare capacity goes first: a copy, not accuracy
+        if freed:
+            held -= freed
+            continue
         event = (share.compress_first and _demote_oldest_block(layer, share)) or _evict_oldest(layer, held - share.limit, share)
         if event is None:
             raise BudgetError(

@@ -134,6 +134,10 @@ class Segment:
         self.key_run.map(fn)
         self.value_run.map(fn)
 
+    def compact(self) -> int:
+        """Free both runs' spare capacity; returns the bytes freed."""
+        return self.key_run.compact() + self.value_run.compact()
+
     def nbytes(self) -> int:
         return self.key_run.nbytes() + self.value_run.nbytes()
 
