@@ -191,6 +191,38 @@ def test_endpoint_reads_callable_sources_at_every_scrape():
         assert got[_key("kvpack_cache_total_tokens", cache="0")] == 500
 
 
+def test_budget_moves_are_exported_as_the_layers_hold_them():
+    pytest.importorskip("prometheus_client")
+    model = _llama()
+    kvpack.enable(model)
+    try:
+        unlimited = kvpack.KVCache(model, "tiered:2048")  # a boundary past the context: only the budget archives
+        _fill(model, unlimited, 1000, steps=70)
+        held = [layer.nbytes() for layer in unlimited.compressed_layers()]
+        compressed = sum(seg.nbytes() for layer in unlimited.compressed_layers() for seg in layer.segments)
+        budget = kvpack.MemoryBudget(int(sum(held) - 0.8 * compressed))  # past what 2-bit archiving alone frees
+        cache = kvpack.KVCache(model, "tiered:2048", budget=budget)
+        _fill(model, cache, 1000, steps=70)
+        assert collect(unlimited).budget is None
+        m = collect(cache).budget
+        layers = cache.compressed_layers()
+        archived = sum(seg.length for layer in layers for seg in layer.segments if seg.kind == "tier1")
+        evicted = [layer.evicted_tokens for layer in layers]
+        # the archive holds what was demoted, less what eviction then dropped from its front (it is the oldest)
+        assert m.max_bytes == budget.max_bytes and m.moved_tokens["demote"] == archived + sum(evicted) > 0
+        assert m.moved_tokens["evict"] == sum(evicted) > 0 and m.evicted_tokens == max(evicted)
+        with serve(0, cache) as server:
+            got = _scrape(server.url)
+    finally:
+        kvpack.disable(model)
+    assert got[_key("kvpack_budget_max_bytes", cache="0")] == budget.max_bytes
+    assert got[_key("kvpack_budget_moved_tokens_total", cache="0", action="demote")] == archived + sum(evicted)
+    assert got[_key("kvpack_budget_moved_tokens_total", cache="0", action="evict")] == sum(evicted)
+    assert got[_key("kvpack_budget_moves_total", cache="0", action="rematerialize")] == 0
+    assert got[_key("kvpack_budget_moves_total", cache="0", action="demote")] == m.moves["demote"] >= len(layers)
+    assert got[_key("kvpack_budget_evicted_tokens", cache="0")] == max(evicted)
+
+
 def test_serve_without_prometheus_client_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "prometheus_client", None)  # what a failed import looks like
     with pytest.raises(MissingDependency, match=r'pip install "kvpack\[serve\]"'):

@@ -49,10 +49,22 @@ class QualityMetrics:
 
 
 @dataclass(frozen=True)
+class BudgetMetrics:
+    """A cache's `MemoryBudget` and every move it made (`KVCache.budget_events`). moves / moved_tokens: per action
+    ("demote", "evict", "rematerialize"), the events and the token positions they moved, summed over layers.
+    evicted_tokens: positions out of attention now (the most over layers; 0 after `rematerialize`)."""
+
+    max_bytes: int
+    moves: dict[str, int]
+    moved_tokens: dict[str, int]
+    evicted_tokens: int
+
+
+@dataclass(frozen=True)
 class CacheMetrics:
     """A cache's memory by tier and its quality. total_bytes: the tiers plus fitted codec state (bases,
     codebooks), = `KVCache.memory_report()["total_bytes"]`. ratio: fp16 bytes / total_bytes.
-    quality: None when the cache has no tracker."""
+    quality: None when the cache has no tracker. budget: None when it has no `MemoryBudget`."""
 
     method: str
     tiers: tuple[TierMetrics, ...]
@@ -62,6 +74,7 @@ class CacheMetrics:
     fp16_bytes: int
     ratio: float
     quality: QualityMetrics | None
+    budget: BudgetMetrics | None = None
 
     def tier(self, name: str) -> TierMetrics:
         """The tier called `name`; KeyError lists the tiers present."""
@@ -108,6 +121,19 @@ def _sliding(layer) -> tuple[int, int, int]:
     return k.shape[2], k.numel() * k.element_size() + v.numel() * v.element_size(), (k.numel() + v.numel()) * FP16_BYTES
 
 
+def _budget(cache: KVCache) -> BudgetMetrics | None:
+    budget = cache.budget
+    if budget is None:
+        return None
+    moves: dict[str, int] = {}
+    tokens: dict[str, int] = {}
+    for event in list(cache.budget_events):  # a copy: the generating thread may append while the exporter reads
+        moves[event.action] = moves.get(event.action, 0) + 1
+        tokens[event.action] = tokens.get(event.action, 0) + event.tokens
+    evicted = max((layer.evicted_tokens for layer in cache.compressed_layers()), default=0)
+    return BudgetMetrics(budget.max_bytes, moves, tokens, evicted)
+
+
 def _quality(cache: KVCache) -> QualityMetrics | None:
     tracker = getattr(cache, "tracker", None)
     if tracker is None:
@@ -138,7 +164,7 @@ def collect(cache: KVCache) -> CacheMetrics:
     tiers = tally.tiers()
     total, fp16 = sum(t.bytes for t in tiers) + state, sum(t.fp16_bytes for t in tiers)
     ratio = fp16 / total if total else math.nan
-    return CacheMetrics(cache.method.name, tiers, cache.get_seq_length(), total, state, fp16, ratio, _quality(cache))
+    return CacheMetrics(cache.method.name, tiers, cache.get_seq_length(), total, state, fp16, ratio, _quality(cache), _budget(cache))
 
 
 # -- Prometheus --------------------------------------------------------------------------------------
@@ -186,10 +212,20 @@ class _Collector:
             "layer": GaugeMetricFamily("kvpack_quality_layer_relative_error", "Mean sampled relative error per layer", labels=["cache", "layer"]),
             "flushes": CounterMetricFamily("kvpack_quality_flushes", "Block flushes the quality tracker saw (sampled or not)", labels=["cache"]),
         }
+        budget = {
+            "max_bytes": GaugeMetricFamily("kvpack_budget_max_bytes", "The cache's MemoryBudget in bytes", labels=["cache"]),
+            "moves": CounterMetricFamily("kvpack_budget_moves", "Budget moves per action (demote, evict, rematerialize), over layers", labels=["cache", "action"]),
+            "tokens": CounterMetricFamily("kvpack_budget_moved_tokens", "Token positions moved per action, summed over layers", labels=["cache", "action"]),
+            "evicted": GaugeMetricFamily("kvpack_budget_evicted_tokens", "Token positions out of attention now (most over layers)", labels=["cache"]),
+        }
         for i, cache in enumerate(_caches(self.sources)):
-            _add_cache(g, quality, str(i), collect(cache))
+            m = collect(cache)
+            _add_cache(g, quality, str(i), m)
+            if m.budget is not None:
+                _add_budget(budget, str(i), m.budget)
         yield from g.values()
         yield from quality.values()
+        yield from budget.values()
 
 
 _GAUGES = (
@@ -221,6 +257,14 @@ def _add_cache(g: dict, quality: dict, label: str, m: CacheMetrics) -> None:
         quality["samples"].add_metric([label, q.tier], q.samples)
     for q in m.quality.layers:
         quality["layer"].add_metric([label, str(q.layer)], q.mean_error)
+
+
+def _add_budget(families: dict, label: str, b: BudgetMetrics) -> None:
+    families["max_bytes"].add_metric([label], b.max_bytes)
+    families["evicted"].add_metric([label], b.evicted_tokens)
+    for action in ("demote", "evict", "rematerialize"):  # every action, 0 included: a rate needs the series from the start
+        families["moves"].add_metric([label, action], b.moves.get(action, 0))
+        families["tokens"].add_metric([label, action], b.moved_tokens.get(action, 0))
 
 
 class MetricsServer:
