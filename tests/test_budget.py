@@ -4,6 +4,7 @@ further before anything is evicted, evicted K/V rematerialized within the codec'
 from __future__ import annotations
 
 import logging
+import warnings
 
 import pytest
 import torch
@@ -110,12 +111,24 @@ def test_a_budget_never_archives_what_a_fixed_boundary_with_its_peak_bytes_keeps
 
     fixed = trace(kvpack.KVCache(tiny, "tiered:128:tq"))
     peak = max(held for _, held in fixed)
-    cache = kvpack.KVCache(tiny, "tiered:2048:tq", budget=kvpack.MemoryBudget(peak))
+    cache = kvpack.KVCache(tiny, "tiered:budget:tq", budget=kvpack.MemoryBudget(peak))
     placed = trace(cache)
     pairs = [(p, f) for (ps, _), (fs, _) in zip(placed, fixed, strict=True) for p, f in zip(ps, fs, strict=True)]
     assert len(placed) == 200 and max(held for _, held in placed) <= peak
     assert all(p <= f for p, f in pairs) and sum(p < f for p, f in pairs) > 50
     assert placed[-1][0][0] > 0 and not any(e.action == "evict" for e in cache.budget_events)  # it did archive, never evict
+
+
+def test_a_budget_only_archive_without_a_budget_warns_and_names_the_fix(tiny):
+    with pytest.warns(UserWarning, match=r"only when a memory budget needs.*kvpack.MemoryBudget\(max_bytes\).*tiered:1024:shard"):
+        cache = kvpack.KVCache(tiny, "tiered:budget:shard")
+    assert cache.method.name == "tiered:budget:shard" and cache.method.tiers[0].after > 2**29
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        kvpack.KVCache(tiny, "tiered:budget", budget=kvpack.MemoryBudget(2**20))
+        kvpack.KVCache(tiny, "tiered:1024:shard")
+    with pytest.raises(ValueError, match=r"or 'budget'.*tiered:budget:shard"):
+        kvpack.get_method("tiered:budgets")
 
 
 @pytest.mark.parametrize("method", ["int8", "turboquant:k4v4", "kivi:4"])

@@ -485,28 +485,37 @@ def _tiered(arg: str) -> MethodConfig:
     `tiered:<after>:shard`: a 4-bit TurboQuant warm tier (`k4v4+ropemean`, the default's window and anchors), and an
     archive of Shard's codecs (un-RoPEd PCA keys, VQ values at 1.5 bits) fitted on the archive's own tokens,
     ARCHIVE_FIT_TOKENS at a time, and fitted again when they drift.
+    `tiered:budget[:tq|:shard]`: no age boundary; blocks go to the archive, oldest first, only when a `MemoryBudget`
+    needs their bytes (`KVCache(model, method, budget=...)`), so at any peak bytes it archives no block that a fixed
+    boundary with that peak keeps warm (tests/test_budget.py; measured in docs/guide/tiers.md).
     """
     boundary, _, family = (arg or "512").partition(":")
     try:
-        after = int(boundary)
+        after = BUDGET_ONLY if boundary == "budget" else int(boundary)
     except ValueError:
         after = -1
     if after < 128 or after % 64 or family not in ("", "tq", "shard"):
         raise ValueError(
-            f"tiered takes the archive boundary in tokens, a multiple of 64 from 128, then optionally ':tq' for TurboQuant "
-            f"tiers or ':shard' for a Shard archive (e.g. tiered:512, tiered:512:tq, tiered:1024:shard), got {arg!r}"
+            f"tiered takes the archive boundary in tokens, a multiple of 64 from 128, or 'budget' (archive only what a "
+            f"MemoryBudget needs), then optionally ':tq' for TurboQuant tiers or ':shard' for a Shard archive (e.g. "
+            f"tiered:512, tiered:512:tq, tiered:1024:shard, tiered:budget:shard), got {arg!r}"
         )
+    name = f"tiered:{'budget' if after == BUDGET_ONLY else after}" + (f":{family}" if family else "")
     if family == "tq":
         warm, archive = _turboquant("k4v4"), _turboquant("k3v2")
-        return MethodConfig(f"tiered:{after}:tq", warm.key, warm.value, tiers=(Tier(archive.key, archive.value, after),))
+        return MethodConfig(name, warm.key, warm.value, tiers=(Tier(archive.key, archive.value, after),))
     if family == "shard":  # the default's window and anchors, 4-bit warm codecs, a fitted archive
         archive = Tier(CodecSpec("pca", {"bits": ARCHIVE_KEY_BITS}), CodecSpec("vq", {"token_norm": True, "codebook_size": ARCHIVE_CODEBOOK}), after,
                        fit_tokens=ARCHIVE_FIT_TOKENS, refit=ARCHIVE_REFIT)
         warm = _turboquant("k4v4+ropemean")
-        return get_method(DEFAULT_METHOD).with_options(name=f"tiered:{after}:shard", key=warm.key, value=warm.value, tiers=(archive,))
+        return get_method(DEFAULT_METHOD).with_options(name=name, key=warm.key, value=warm.value, tiers=(archive,))
     warm = (CodecSpec("kivi", {"bits": 4, "axis": "channel"}), CodecSpec("kivi", {"bits": 4, "axis": "token"}))
     archive = Tier(CodecSpec("kivi", {"bits": 2, "axis": "channel"}), CodecSpec("kivi", {"bits": 2, "axis": "token"}), after)
-    return MethodConfig(f"tiered:{after}", *warm, tiers=(archive,))
+    return MethodConfig(name, *warm, tiers=(archive,))
+
+
+# `tiered:budget`'s boundary: an age no context reaches (2^30 tokens), so only a MemoryBudget moves blocks to the archive.
+BUDGET_ONLY = 1 << 30
 
 
 # `tiered:<after>:shard`'s archive: PCA keys at 4 bits per kept component on average, 64 value codewords per 4 channels

@@ -13,7 +13,7 @@ from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
 from .. import kernels
 from ..allocator import auto_method
 from ..primitives.validation import DEBUG
-from ..registry import DEFAULT_METHOD, CodecSpec, MethodConfig, apply_suffixes, get_method, split_suffixes
+from ..registry import BUDGET_ONLY, DEFAULT_METHOD, CodecSpec, MethodConfig, apply_suffixes, get_method, split_suffixes
 from ..support import layer_kinds, rope_per_layer, rotary_from_config, text_config
 from . import prompt_widths, serialize
 from .budget import BudgetEvent, LayerShare, MemoryBudget, PromptTarget, rematerialize
@@ -238,6 +238,13 @@ class KVCache(Cache):
         self.token_ids: torch.Tensor | None = None  # (batch, tokens) ids seen by forwards, kept while a budget is set
         if budget is not None:
             self.set_budget(budget)
+        elif self.method.tiers and all(tier.after >= BUDGET_ONLY for tier in self.method.tiers):
+            warnings.warn(
+                f"method {self.method.name!r} archives blocks only when a memory budget needs their bytes, and this cache "
+                "has none: every token stays in the warm tier. Pass budget=kvpack.MemoryBudget(max_bytes) (or call "
+                "cache.set_budget) to bound it, or name an age boundary (e.g. tiered:1024:shard)",
+                stacklevel=2,
+            )
         self.prompt_widths: dict | None = None  # what `place_prompt` did: {"promoted", "demoted", "seconds"} or why not
         self._prompt_ids: torch.Tensor | None = None
         if self.method.fisher_tail:
