@@ -16,7 +16,7 @@ from .tiers import AgeTiers
 POLICIES: dict[str, type[PlacementPolicy]] = {
     "anchors": AttentionAnchors,  # MethodConfig.anchors: the most-attended compressed tokens stay exact
     "tiers": AgeTiers,  # MethodConfig.tiers: blocks age into older tiers
-    "budget": BudgetPolicy,  # KVCache(budget=MemoryBudget(...)): demote early, then evict, to stay within a byte budget
+    "budget": BudgetPolicy,  # KVCache(budget=MemoryBudget(...)): free slack, demote early, then evict, to stay within a byte budget
 }
 
 # Each policy acts only when its method option (or the cache's budget) asks for it, so one order serves every method:
