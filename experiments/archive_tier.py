@@ -125,21 +125,21 @@ def run(model, ids: torch.Tensor, method: MethodConfig, prompt: int, follow: int
         return errors
 
     tiers.measure_tier = counting
-    peak, held = [0], None
+    peak, hook = [0], None
     try:
         if budget:
             max_bytes = int(fp16_bytes_per_token(model) * (prompt + follow) / budget)
         limit = kvpack.MemoryBudget(max_bytes) if max_bytes else None
         cache = kvpack.KVCache(model, method, budget=limit)
-        held = model.register_forward_hook(  # the most the cache held after any forward (the budget's measure)
+        hook = model.register_forward_hook(  # the most the cache held after any forward (the budget's measure)
             lambda *_: peak.__setitem__(0, max(peak[0], sum(layer.nbytes() for layer in cache.compressed_layers()))))
         t0 = time.perf_counter()
         result = perplexity(model, ids, cache, prefix=prompt, chunk=chunk, n_score=follow, progress=False)
         seconds = time.perf_counter() - t0
     finally:
         tiers.measure_tier = measure
-        if held is not None:
-            held.remove()
+        if hook is not None:
+            hook.remove()
     metrics = collect(cache)
     state = tier_state(cache)
     per_tier = {}
