@@ -15,9 +15,10 @@ layer's K and V would take in fp16 at the end): past it the cache first demotes 
 evicts; the row counts both. `NAME|bytes-of=OTHER` runs NAME under a budget of the most bytes OTHER (listed before it)
 held after any forward of the same draw: a placement set by the budget against a fixed boundary, at equal peak bytes.
 
-An archive variant is `archive:AFTER[/kB][/eE][/vqN][/fitF][/refitR][/warm=METHOD]`: the `tiered:AFTER:shard` layout
-with the PCA keys' average bits B and energy E, N value codewords per 4 channels, fits on F tokens, refit at a rise R
-(0: never), and METHOD's codecs as the warm tier.
+An archive variant is `archive:AFTER[/kB][/eE|/sS][/vqN][/fitF][/refitR][/warm=METHOD]`: the `tiered:AFTER:shard`
+layout with the PCA keys' average bits B, their rank chosen by key energy E or by a score error of S% on the latest
+queries (the method's rule: 3%), N value codewords per 4 channels, fits on F tokens, refit at a rise R (0: never), and
+METHOD's codecs as the warm tier.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from kvpack.text import token_stream
 
 
 def archive_variant(text: str) -> MethodConfig:
-    """`archive:AFTER[/kB][/eE][/vqN][/fitF][/refitR]` -> the `tiered:AFTER:shard` method with those archive options."""
+    """`archive:AFTER[/kB][/eE|/sS][/vqN][/fitF][/refitR]` -> the `tiered:AFTER:shard` method with those archive options."""
     after, *opts = text.split(":", 1)[1].split("/")
     key, value = {"bits": ARCHIVE_KEY_BITS}, {"token_norm": True, "codebook_size": ARCHIVE_CODEBOOK}
     fit, refit, warm = ARCHIVE_FIT_TOKENS, ARCHIVE_REFIT, None
@@ -59,9 +60,11 @@ def archive_variant(text: str) -> MethodConfig:
         elif opt.startswith("k"):
             key["bits"] = float(opt[1:])
         elif opt.startswith("e"):
-            key["energy"] = float(opt[1:])
+            key["energy"], key["score_error"] = float(opt[1:]), None
+        elif opt.startswith("s"):
+            key["score_error"] = float(opt[1:]) / 100
         else:
-            raise SystemExit(f"{text!r}: unknown archive option {opt!r} (kB, eE, vqN, fitF, refitR)")
+            raise SystemExit(f"{text!r}: unknown archive option {opt!r} (kB, eE, sS, vqN, fitF, refitR, warm=METHOD)")
     base = get_method(f"tiered:{after}:shard")
     tier = Tier(CodecSpec("pca", key), CodecSpec("vq", value), int(after), fit_tokens=fit, refit=refit)
     stream = {"key": warm.key, "value": warm.value} if warm is not None else {}
@@ -81,6 +84,17 @@ def tier_state(cache) -> dict[str, int]:
             kind = name.rpartition("_")[0].partition("@")[0]
             out[kind] = out.get(kind, 0) + codec.state_nbytes()
     return out
+
+
+def key_ranks(cache) -> dict[str, list]:
+    """Each fitted archive key codec's kept components and the rule that chose them, over layers and fits."""
+    ranks, sources = [], set()
+    for layer in cache.layers:
+        for name, codec in getattr(layer, "_codecs", {}).items():
+            if name.startswith("tier") and name.endswith("_key") and getattr(codec, "segments", None):
+                ranks.append(sum(n for n, _ in codec.segments))
+                sources.add(getattr(codec, "rank_source", "?"))
+    return {"ranks": sorted(ranks), "sources": sorted(sources)}
 
 
 def bytes_by_age(cache) -> list[tuple[int, int, float]]:
@@ -149,6 +163,7 @@ def run(model, ids: torch.Tensor, method: MethodConfig, prompt: int, follow: int
                             "x_fp16": t.fp16_bytes / held if held else math.nan}
     row = {"method": method.name, "ppl": result.ppl, "total_bytes": metrics.total_bytes, "x_fp16": metrics.ratio,
            "peak_bytes": peak[0], "tiers": per_tier, "fits_per_layer": sorted(refits.values()) if refits else [], "seconds": seconds,
+           "archive_keys": key_ranks(cache),
            "bytes_by_age": bytes_by_age(cache)}
     if limit is not None:
         events = cache.budget_events
@@ -198,7 +213,8 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"{row['method']}: {row['x_fp16']:.2f}x, {row['ppl_delta_pct']:+.2f}% "
                   f"[{row['ppl_delta_ci'][0]:+.1f}, {row['ppl_delta_ci'][1]:+.1f}], tiers "
                   + ", ".join(f"{k} {v['tokens']} tok {v['x_fp16']:.2f}x" for k, v in row["tiers"].items())
-                  + f", fits/layer {row['fits_per_layer'][:1]}..{row['fits_per_layer'][-1:]}, {row['seconds']:.0f} s", flush=True)
+                  + f", fits/layer {row['fits_per_layer'][:1]}..{row['fits_per_layer'][-1:]}, key ranks {row['archive_keys']}, "
+                  f"{row['seconds']:.0f} s", flush=True)
         deltas = [d["ppl_delta_pct"] for d in draws]
         rows += draws
         done[name] = draws

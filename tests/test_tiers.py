@@ -246,3 +246,39 @@ def test_a_refitted_archive_round_trips_through_a_file(tmp_path):
     assert [lay.tier_fit for lay in loaded.compressed_layers()] == [lay.tier_fit for lay in cache.compressed_layers()]
     expected, _ = _generate(model, seq, cache, 70)
     assert torch.equal(_generate(model, seq, loaded, 70)[0], expected)
+
+
+def test_an_archive_fitted_after_the_prompt_ranks_its_keys_by_the_queries_reading_the_cache():
+    """Keys with strong channels no query reads and weak channels the queries do read: the archive's PCA keys, fitted
+    when the first blocks age past the boundary (long after the prompt's queries were dropped), keep the components
+    those queries score with when the layer saw them (`observe_queries`, as kvpack attention calls it), and lose most
+    of the attention scores without them (the energy rule keeps the strong channels). Scores are checked against
+    the exact keys'."""
+    strong, weak = [0, 1, 2, 3, 32, 33, 34, 35], [4, 5, 6, 7, 36, 37, 38, 39]  # RoPE pairs (i, i + 32) kept whole
+    g = torch.Generator().manual_seed(0)
+    q0 = torch.zeros(1, 2, 32, D)
+    q0[..., weak] = torch.randn(1, 2, 32, len(weak), generator=g)
+    errors = {}
+    for observe in (True, False):
+        g = torch.Generator().manual_seed(1)
+        layer = KVPackLayer(_fitted_archive(fit_tokens=256, refit=0.0), 0, _Cfg(), (INV_FREQ, 1.0))
+        keys = []
+        while not any(s.kind == "tier1" for s in layer.segments):
+            start, n = layer.length, 100 if not layer.length else 64
+            x0 = torch.zeros(1, 2, n, D)
+            x0[..., strong] = 4 * torch.randn(1, 2, n, len(strong), generator=g)
+            x0[..., weak] = torch.randn(1, 2, n, len(weak), generator=g)
+            cos, sin = rope_cos_sin(torch.arange(start, start + n)[None], INV_FREQ)
+            keys.append(apply_rope(x0, cos, sin))
+            layer.update(keys[-1], torch.randn(1, 2, n, D, generator=g))
+            if observe:  # the queries of the forward that just wrote these tokens, RoPE'd at its last positions
+                qc, qs = rope_cos_sin(torch.arange(layer.length - 32, layer.length)[None], INV_FREQ)
+                layer.observe_queries(apply_rope(q0, qc, qs))
+        archive = next(s for s in layer.segments if s.kind == "tier1")
+        assert archive.key_codec.rank_source == ("queries" if observe else "energy")
+        span = slice(archive.start, archive.start + archive.length)
+        exact, got = torch.cat(keys, 2)[:, :, span], layer.dequantized()[0][:, :, span]
+        q = apply_rope(q0, *rope_cos_sin(torch.full((1, 32), layer.length), INV_FREQ))
+        s_exact, s_got = q @ exact.mT, q @ got.mT
+        errors[observe] = float((s_got - s_exact).square().sum() / (s_exact - s_exact.mean(-1, keepdim=True)).square().sum())
+    assert errors[True] < 0.2 and errors[False] > 0.5, errors

@@ -180,6 +180,10 @@ class KVPackLayer(CacheLayerMixin):
         # (codecs with `fits_on_queries`, e.g. Shard's PCA choosing its rank by score error).
         self.fit_queries: torch.Tensor | None = None
         self.fit_scaling: float | None = None  # the attention scale those queries were read with
+        # The last `FIT_QUERIES` query rows of any forward, as the chunks they came in (never written in place, so a
+        # snapshot stays valid), kept only for a method whose older tiers fit on queries: an archive codec fitted
+        # long after the prompt ranks its basis by the queries reading the cache then (`store`).
+        self.tier_queries: tuple[torch.Tensor, ...] = ()
         self.anchors: AnchorSet | None = None  # compressed tokens kept exact beside their codes (MethodConfig.anchors)
         self.anchor_credit = 0.0  # anchors owed to the blocks flushed since the prompt (a fraction of a token carries over)
         # (start, tokens, segment kind) of compressed tokens evicted to keep a memory budget (kvpack.cache.budget)
@@ -400,7 +404,18 @@ class KVPackLayer(CacheLayerMixin):
         Rows accumulate over forwards, so a short prompt followed by decode steps still fits on many queries.
         Once the prompt is compressed, only anchors read queries: this forward's rows, held until its flush
         chooses the anchors among the tokens it compresses (a decode step's one row; a chunk's many).
+        A method whose older tiers fit on queries also keeps the latest rows of every forward (`tier_queries`).
         """
+        real = query.shape[2] - (self.pad_max if self.updates == 1 else 0)  # left padding leads the first forward
+        if real > 0 and self._tiers_fit_on_queries():
+            chunks = [query[:, :, -min(real, FIT_QUERIES) :].detach().float()]
+            held = chunks[0].shape[2]
+            for chunk in reversed(self.tier_queries):  # newest first, until FIT_QUERIES rows are held
+                if held >= FIT_QUERIES:
+                    break
+                chunks.append(chunk)
+                held += chunk.shape[2]
+            self.tier_queries = tuple(reversed(chunks))
         if self.segments:
             # A decode step that flushes nothing skips this (no per-step copy).
             if self.method.anchors and self.win_k.shape[2] - self.method.window >= self.method.block_size:
@@ -410,11 +425,14 @@ class KVPackLayer(CacheLayerMixin):
         if not (self._fits_on_queries() or self.method.anchors):
             return
         self.fit_scaling = scaling
-        real = query.shape[2] - (self.pad_max if self.updates == 1 else 0)  # left padding leads the first forward
         rows = query[:, :, query.shape[2] - max(real, 0) :].detach().float()
         if self.fit_queries is not None:
             rows = torch.cat([self.fit_queries, rows], dim=2)
         self.fit_queries = rows[:, :, -FIT_QUERIES:] if rows.shape[2] else None
+
+    def _tiers_fit_on_queries(self) -> bool:
+        """Whether a codec of one of the method's older tiers uses queries in its fit."""
+        return any(self.codec(f"tier{level}", side).fits_on_queries for level in range(1, len(self.method.tiers) + 1) for side in ("key", "value"))
 
     def _fits_on_queries(self) -> bool:
         """Whether a prompt codec of this method uses queries in its fit (only then are they kept)."""
@@ -508,6 +526,13 @@ class KVPackLayer(CacheLayerMixin):
         kc, vc = self.codec(kind, "key"), self.codec(kind, "value")
         fresh = self.holds_nothing(kc)
         positions = self.positions(start, n)
+        if fresh and kind.startswith("tier") and self.tier_queries:
+            # An older tier's codecs fit on their first run; one that ranks its basis by attention scores reads the
+            # latest queries (without them it falls back to its data-only rule, e.g. the PCA keys' energy).
+            queries = torch.cat(self.tier_queries, dim=2)[:, :, -FIT_QUERIES:]
+            for codec, x in ((kc, k), (vc, v)):
+                if codec.fits_on_queries:
+                    codec.fit(x, positions, queries=queries)
         keys, values = kc.encode(k, positions), vc.encode(v, positions)
         prev = next((seg for seg in self.segments if seg.start + seg.length == start), None)
         if prev is not None and prev.key_codec is kc and prev.value_codec is vc:
@@ -728,6 +753,7 @@ class KVPackLayer(CacheLayerMixin):
             self.pad = fn(self.pad)
         if self.fit_queries is not None:
             self.fit_queries = fn(self.fit_queries)
+        self.tier_queries = tuple(fn(chunk) for chunk in self.tier_queries)
         if self.anchors is not None:
             self.anchors = self.anchors.map(fn)
         rows = None

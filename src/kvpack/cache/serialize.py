@@ -60,7 +60,8 @@ _DTYPES = {n: getattr(torch, n) for n in ("float16", "bfloat16", "float32", "flo
 _PACKED_CLASS = re.compile(r"(kvpack(?:\.\w+)+):(\w+(?:\.\w+)*)")
 # KVPackLayer attributes a file restores (saved or rebuilt from the method and model); tests compare this
 # with a filled layer's attributes, so a new attribute fails there until serialization handles it.
-# `fit_queries` (prompt queries awaiting the first fit) is not saved: a loaded layer collects them again.
+# `fit_queries` (prompt queries awaiting the first fit) and `tier_queries` (the latest queries, for an older tier's next
+# fit) are not saved: a loaded layer collects them again.
 # A memory `budget` is not saved (pass one to the loaded cache); a cache with `evicted` tokens is refused.
 # `prompt_target` (the method's prompt byte target, shared by the layers) is rebuilt by KVCache from the method.
 # `_first_position` (a segment's first RoPE position, cached for the decode kernels) is rebuilt on first use.
@@ -70,7 +71,7 @@ LAYER_ATTRIBUTES = frozenset({
     "method", "layer_idx", "model_config", "rope", "length", "updates", "sink_k", "sink_v", "win_k", "win_v", "segments",
     "pos_offset", "pad", "pad_max", "_codecs", "pending_attention", "is_initialized", "dtype", "device", "batch", "kv_heads",
     "head_dim", "v_head_dim", "exact_dtype", "keys", "values", "fit_queries", "evicted", "budget", "_first_position",
-    "fit_scaling", "anchors", "anchor_credit", "prompt_target", "placement", "_max_entry", "tier_fit",
+    "fit_scaling", "anchors", "anchor_credit", "prompt_target", "placement", "_max_entry", "tier_fit", "tier_queries",
 })
 
 
