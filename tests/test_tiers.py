@@ -282,3 +282,18 @@ def test_an_archive_fitted_after_the_prompt_ranks_its_keys_by_the_queries_readin
         s_exact, s_got = q @ exact.mT, q @ got.mT
         errors[observe] = float((s_got - s_exact).square().sum() / (s_exact - s_exact.mean(-1, keepdim=True)).square().sum())
     assert errors[True] < 0.2 and errors[False] > 0.5, errors
+
+
+def test_the_latest_queries_are_kept_without_the_forward_that_read_them():
+    """A long prompt's forward leaves its last 128 query rows for the archive's fit: copies of those rows, not a view
+    that would keep the prompt's whole query tensor (every row of every head) alive until 128 more rows arrive."""
+    layer = KVPackLayer(_fitted_archive(256, 0.0), 0, _Cfg(), (INV_FREQ, 1.0))
+    g = torch.Generator().manual_seed(0)
+    layer.update(torch.randn(1, 2, 600, D, generator=g), torch.randn(1, 2, 600, D, generator=g))
+    query = torch.randn(1, 2, 600, D, generator=g)
+    layer.observe_queries(query)
+    (kept,) = layer.tier_queries
+    assert torch.equal(kept, query[:, :, -128:])
+    assert kept.untyped_storage().nbytes() == kept.numel() * kept.element_size() < query.numel() * query.element_size()
+    layer.observe_queries(query[:, :, :1])  # a decode step's row joins; 129 rows held at most
+    assert [c.shape[2] for c in layer.tier_queries] == [128, 1]

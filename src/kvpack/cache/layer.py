@@ -408,7 +408,8 @@ class KVPackLayer(CacheLayerMixin):
         """
         real = query.shape[2] - (self.pad_max if self.updates == 1 else 0)  # left padding leads the first forward
         if real > 0 and self._tiers_fit_on_queries():
-            chunks = [query[:, :, -min(real, FIT_QUERIES) :].detach().float()]
+            # A copy, not a view: a view of a long prompt's last rows would keep its whole query tensor alive.
+            chunks = [query[:, :, -min(real, FIT_QUERIES) :].detach().to(torch.float32, copy=True)]
             held = chunks[0].shape[2]
             for chunk in reversed(self.tier_queries):  # newest first, until FIT_QUERIES rows are held
                 if held >= FIT_QUERIES:
