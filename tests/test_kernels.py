@@ -437,6 +437,10 @@ def _shard_codecs(kv: int, d: int, key_scope: str, value_scope: str, widths, cod
     ("layer", "layer", ((16, 4), (16, 4), (9, 4)), 256, True),
     ("layer", "head", ((5, 2), (7, 6), (3, 8), (9, 4)), 16, False),
     ("head", "layer", ((4, 4), (3, 2), (1, 8)), 256, True),
+    # 6-bit (the tiered archive's 64 entries) and 3-bit indices: rows the kernel widens to a byte per index, as
+    # one stream where rows end on a byte (d = 64, 96) and row by row where they leave padding bits (3 bits, d = 80)
+    ("layer", "layer", ((16, 4), (16, 4)), 64, True),
+    ("head", "head", ((8, 4), (6, 2)), 8, False),
 ])
 @pytest.mark.parametrize("b,kv,r,d,t", [(1, 3, 3, 64, 1100), (2, 2, 7, 64, 217), (3, 2, 16, 96, 513), (1, 1, 1, 80, 40)])
 def test_pca_vq_attention_matches_decoded_reference(key_scope, value_scope, widths, codebook, token_norm, b, kv, r, d, t):

@@ -290,8 +290,49 @@ void pca_split_scores(const float* q, const PCAKeys& K, int64_t b, int g, int pe
   }
 }
 
-// acc[r][:] += sum_t p[r][t] * norm[t] * codeword-row(t) for one kv head over n tokens.
-void vq_accumulate(const float* p, int R, int64_t n, const VQValues& V, const uint8_t* idx, const at::Half* norm, const float* book,
+// Index rows of BITS-bit codes (8 codes fill BITS bytes exactly) widened to one byte per code: n rows of nbytes
+// into out (n, groups). The accumulation loops then read bytes, as for 8-bit indices: read per code with
+// variable shifts, a 64-entry (6-bit) codebook's rows were ~40% of the kernel.
+template <int BITS>
+void unpack_rows(const uint8_t* src, int64_t n, int nbytes, int groups, uint8_t* out) {
+  constexpr uint64_t mask = (1u << BITS) - 1;
+  if (groups * BITS == 8 * nbytes) {  // rows without padding bits: one stream of n * groups codes, read 8 bytes at a time
+    const int64_t total = n * groups, bytes = n * nbytes;
+    int64_t k = 0;
+    for (; k + 8 <= total && k / 8 * BITS + 8 <= bytes; k += 8) {
+      uint64_t w;
+      std::memcpy(&w, src + k / 8 * BITS, sizeof(w));  // little-endian: code u sits at bit u * BITS
+      for (int u = 0; u < 8; ++u) out[k + u] = static_cast<uint8_t>((w >> (u * BITS)) & mask);
+    }
+    for (; k < total; ++k) out[k] = static_cast<uint8_t>(read_code(src, static_cast<int>(bytes), static_cast<int>(k * BITS), BITS));
+    return;
+  }
+  for (int64_t t = 0; t < n; ++t, src += nbytes, out += groups) {
+    int k = 0;
+    for (; k + 8 <= groups; k += 8) {
+      uint64_t w = 0;
+      std::memcpy(&w, src + k / 8 * BITS, BITS);  // little-endian: code u sits at bit u * BITS
+      for (int u = 0; u < 8; ++u) out[k + u] = static_cast<uint8_t>((w >> (u * BITS)) & mask);
+    }
+    for (; k < groups; ++k) out[k] = static_cast<uint8_t>(read_code(src, nbytes, k * BITS, BITS));
+  }
+}
+
+void unpack_indices(const uint8_t* src, int64_t n, int nbytes, int bits, int groups, uint8_t* out) {
+  switch (bits) {
+    case 1: unpack_rows<1>(src, n, nbytes, groups, out); break;
+    case 2: unpack_rows<2>(src, n, nbytes, groups, out); break;
+    case 3: unpack_rows<3>(src, n, nbytes, groups, out); break;
+    case 4: unpack_rows<4>(src, n, nbytes, groups, out); break;
+    case 5: unpack_rows<5>(src, n, nbytes, groups, out); break;
+    case 6: unpack_rows<6>(src, n, nbytes, groups, out); break;
+    default: unpack_rows<7>(src, n, nbytes, groups, out); break;
+  }
+}
+
+// acc[r][:] += sum_t p[r][t] * norm[t] * codeword-row(t) for one kv head over n tokens; idx holds one byte per
+// index (8-bit rows as stored, narrower ones widened by unpack_indices), nbytes per token row.
+void vq_accumulate(const float* p, int R, int64_t n, const VQValues& V, const uint8_t* idx, int nbytes, const at::Half* norm, const float* book,
                    int d, float* acc, float* rows) {
   const int groups = d / V.gsize;
   for (int64_t t = 0; t < n; t += 4) {
@@ -299,14 +340,13 @@ void vq_accumulate(const float* p, int R, int64_t n, const VQValues& V, const ui
     for (int i = 0; i < 4; ++i) {
       float* row = rows + i * d;
       if (i >= c) { std::fill(row, row + d, 0.f); continue; }
-      const uint8_t* src = idx + (t + i) * V.nbytes;
-      if (V.bits == 8 && V.gsize == 4) {  // the default layout: a fixed-size copy inlines (a runtime size calls memcpy)
+      const uint8_t* src = idx + (t + i) * nbytes;
+      if (V.gsize == 4) {  // the default layout: a fixed-size copy inlines (a runtime size calls memcpy)
         for (int gi = 0; gi < groups; ++gi) std::memcpy(row + gi * 4, book + static_cast<int64_t>(src[gi]) * 4, sizeof(float) * 4);
         continue;
       }
       for (int gi = 0; gi < groups; ++gi) {
-        const int e = V.bits == 8 ? src[gi] : read_code(src, V.nbytes, gi * V.bits, V.bits);
-        const float* cw = book + static_cast<int64_t>(e) * V.gsize;
+        const float* cw = book + static_cast<int64_t>(src[gi]) * V.gsize;
         for (int u = 0; u < V.gsize; ++u) row[gi * V.gsize + u] = cw[u];
       }
     }
@@ -321,7 +361,7 @@ void vq_accumulate(const float* p, int R, int64_t n, const VQValues& V, const ui
 }
 
 #ifdef __AVX512F__
-// vq_accumulate for the default layout (8-bit indices, groups of 4, d a multiple of 64), RB rows at a time:
+// vq_accumulate for groups of 4 with d a multiple of 64 (one byte per index), RB rows at a time:
 // a token's 64-float codeword row is assembled in 4 registers from 16 codewords (no trip through memory)
 // and the RB x 4 accumulators stay in registers for the whole split instead of being loaded and stored
 // per 4 tokens (the gather and the accumulate were ~35% of the kernel).
@@ -388,6 +428,7 @@ void pca_vq_attention_impl(const float* q, const PCAKeys& K, const VQValues& V, 
     std::vector<double> rot(4 * half);
     std::vector<float> cs(static_cast<int64_t>(kTile) * d);
     std::vector<float> rows(4 * static_cast<int64_t>(d));
+    std::vector<uint8_t> wide(V.bits == 8 ? 0 : kSplit * static_cast<int64_t>(d / V.gsize));
     std::copy(steps.begin(), steps.end(), rot.begin() + 2 * half);
     for (int64_t i; (i = next()) >= 0;) {
       const int64_t b = i / (K.groups * splits), g = (i / splits) % K.groups, sp = i % splits;
@@ -401,13 +442,19 @@ void pca_vq_attention_impl(const float* q, const PCAKeys& K, const VQValues& V, 
         const at::Half* nrm = V.norm ? V.norm + bh * V.norm_stride + t0 : nullptr;
         const float* book = V.books + (V.book_count == 1 ? 0 : h) * static_cast<int64_t>(V.entries) * V.gsize;
         const uint8_t* idx = V.idx + bh * V.bh_stride + t0 * V.nbytes;
+        int nbytes = V.nbytes;
+        if (V.bits != 8) {  // one byte per index for the loops below
+          unpack_indices(idx, n, V.nbytes, V.bits, d / V.gsize, wide.data());
+          idx = wide.data();
+          nbytes = d / V.gsize;
+        }
 #ifdef __AVX512F__
-        if (V.bits == 8 && V.gsize == 4 && d % 64 == 0) {
-          vq_accumulate_g4(srow, R, n, idx, V.nbytes, nrm, book, d, P.o.data() + item * R * d);
+        if (V.gsize == 4 && d % 64 == 0) {
+          vq_accumulate_g4(srow, R, n, idx, nbytes, nrm, book, d, P.o.data() + item * R * d);
           continue;
         }
 #endif
-        vq_accumulate(srow, R, n, V, idx, nrm, book, d, P.o.data() + item * R * d, rows.data());
+        vq_accumulate(srow, R, n, V, idx, nbytes, nrm, book, d, P.o.data() + item * R * d, rows.data());
       }
     }
   });
