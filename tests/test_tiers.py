@@ -297,3 +297,11 @@ def test_the_latest_queries_are_kept_without_the_forward_that_read_them():
     assert kept.untyped_storage().nbytes() == kept.numel() * kept.element_size() < query.numel() * query.element_size()
     layer.observe_queries(query[:, :, :1])  # a decode step's row joins; 129 rows held at most
     assert [c.shape[2] for c in layer.tier_queries] == [128, 1]
+    steps = torch.randn(1, 2, 300, D, generator=g)
+    for t in range(300):  # decode steps, one row each: the latest 128 rows stay, in a few chunks of bounded storage
+        layer.observe_queries(steps[:, :, t : t + 1])
+        held = torch.cat(layer.tier_queries, dim=2)
+        latest = torch.cat([query[:, :, -128:], query[:, :, :1], steps[:, :, : t + 1]], dim=2)[:, :, -128:]
+        assert torch.equal(held[:, :, -128:], latest) and held.shape[2] < 128 + 2 * 16
+        assert len(layer.tier_queries) <= 17
+        assert sum({c.untyped_storage().data_ptr(): c.untyped_storage().nbytes() for c in layer.tier_queries}.values()) < 2 * 256 * 2 * D * 4

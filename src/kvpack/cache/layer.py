@@ -51,6 +51,9 @@ def _warn_dequantizing(layer_idx: int) -> None:
 # Prompt queries kept for a codec fit that measures attention scores: 128 rows x all heads is a
 # few hundred KB at most, and enough to rank a basis (docs/notes/shard.md).
 FIT_QUERIES = 128
+# Chunks `tier_queries` holds before they are folded into one: each decode step adds a one-row chunk, and walking
+# 128 of them on every step cost ~70 us a layer (2 ms a step on SmolLM2's 30 layers).
+TIER_QUERY_CHUNKS = 16
 
 
 def deepcopy_sharing(obj, memo: dict, *shared) -> object:
@@ -409,14 +412,13 @@ class KVPackLayer(CacheLayerMixin):
         real = query.shape[2] - (self.pad_max if self.updates == 1 else 0)  # left padding leads the first forward
         if real > 0 and self._tiers_fit_on_queries():
             # A copy, not a view: a view of a long prompt's last rows would keep its whole query tensor alive.
-            chunks = [query[:, :, -min(real, FIT_QUERIES) :].detach().to(torch.float32, copy=True)]
-            held = chunks[0].shape[2]
-            for chunk in reversed(self.tier_queries):  # newest first, until FIT_QUERIES rows are held
-                if held >= FIT_QUERIES:
-                    break
-                chunks.append(chunk)
-                held += chunk.shape[2]
-            self.tier_queries = tuple(reversed(chunks))
+            chunks = [*self.tier_queries, query[:, :, -min(real, FIT_QUERIES) :].detach().to(torch.float32, copy=True)]
+            held = sum(chunk.shape[2] for chunk in chunks)
+            while held - chunks[0].shape[2] >= FIT_QUERIES:  # drop the oldest chunks the latest rows do not need
+                held -= chunks.pop(0).shape[2]
+            if len(chunks) > TIER_QUERY_CHUNKS:  # decode steps add one row each: fold them, so a step walks a few chunks
+                chunks = [torch.cat(chunks, dim=2)[:, :, -FIT_QUERIES:]]
+            self.tier_queries = tuple(chunks)
         if self.segments:
             # A decode step that flushes nothing skips this (no per-step copy).
             if self.method.anchors and self.win_k.shape[2] - self.method.window >= self.method.block_size:
@@ -651,11 +653,17 @@ class KVPackLayer(CacheLayerMixin):
 
     def first_position(self, start: int) -> torch.Tensor:
         """`(batch,)` RoPE position of logical token `start`, kept while the row offsets and batch are unchanged:
-        a RoPE-free codec's kernel reads it for its segment on every decode step."""
-        hit = getattr(self, "_first_position", None)
-        if hit is None or hit[0] != start or hit[1] is not self.pos_offset or hit[2].shape[0] != self.batch or hit[2].device != self.device:
-            hit = self._first_position = (start, self.pos_offset, self.positions(start, 1)[:, 0].contiguous())
-        return hit[2]
+        a RoPE-free codec's kernel reads it for its segment on every decode step. One entry per segment start: the
+        tiers' segments read theirs in turn on each step, and a single entry would be rebuilt at every call."""
+        held = getattr(self, "_first_position", None)
+        if held is None or held[0] is not self.pos_offset or held[1] != self.batch or held[2] != self.device:
+            held = self._first_position = (self.pos_offset, self.batch, self.device, {})
+        starts = held[3]
+        if start not in starts:
+            if len(starts) >= 16:  # segments come and go as blocks move: keep the entries bounded
+                starts.clear()
+            starts[start] = self.positions(start, 1)[:, 0].contiguous()
+        return starts[start]
 
     def set_positions(self, position_ids: torch.Tensor | None, q_len: int) -> None:
         """Learn each row's position offset (left padding) from the model's `position_ids`."""
