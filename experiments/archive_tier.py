@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import time
 from pathlib import Path
@@ -74,16 +73,6 @@ def archive_variant(text: str) -> MethodConfig:
 def resolve(name: str, seed: int) -> MethodConfig:
     method = archive_variant(name) if name.startswith("archive:") else get_method(name)
     return method.with_seed(seed)
-
-
-def tier_state(cache) -> dict[str, int]:
-    """Fitted codec state bytes per segment kind (a retired fit counts with its tier)."""
-    out: dict[str, int] = {}
-    for layer in cache.layers:
-        for name, codec in getattr(layer, "_codecs", {}).items():
-            kind = name.rpartition("_")[0].partition("@")[0]
-            out[kind] = out.get(kind, 0) + codec.state_nbytes()
-    return out
 
 
 def key_ranks(cache) -> dict[str, list]:
@@ -155,12 +144,8 @@ def run(model, ids: torch.Tensor, method: MethodConfig, prompt: int, follow: int
         if hook is not None:
             hook.remove()
     metrics = collect(cache)
-    state = tier_state(cache)
-    per_tier = {}
-    for t in metrics.tiers:
-        held = t.bytes + state.get(t.tier, 0)
-        per_tier[t.tier] = {"tokens": t.tokens, "bytes": t.bytes, "state_bytes": state.get(t.tier, 0),
-                            "x_fp16": t.fp16_bytes / held if held else math.nan}
+    per_tier = {t.tier: {"tokens": t.tokens, "bytes": t.bytes, "state_bytes": t.state_bytes, "x_fp16": t.ratio_with_state}
+                for t in metrics.tiers}
     row = {"method": method.name, "ppl": result.ppl, "total_bytes": metrics.total_bytes, "x_fp16": metrics.ratio,
            "peak_bytes": peak[0], "tiers": per_tier, "fits_per_layer": sorted(refits.values()) if refits else [], "seconds": seconds,
            "archive_keys": key_ranks(cache),

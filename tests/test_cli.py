@@ -108,6 +108,24 @@ def test_compare_saves_rows_after_every_method(tmp_path, monkeypatch):
     assert [r["method"] for r in json.loads(out.read_text())["rows"]] == ["dynamic", "int8", "kivi:4"]
 
 
+def test_compare_prints_the_archives_own_ratio_beside_the_whole_caches(tmp_path, capsys):
+    out = tmp_path / "rows.json"
+    argv = ["compare", *TINY, "--context", "400", "--no-needle", "--methods", "int8,tiered:128:tq", "--json", str(out)]
+    assert cli.main(argv) == 0
+    rows = {r["method"]: r for r in json.loads(out.read_text())["rows"]}
+    tiered = rows["tiered:128:tq"]
+    # the archive holds the tokens older than 128 (less the sinks) in whole blocks, at more than the whole cache's
+    # ratio, which also holds the exact sinks and window and the 4-bit warm tier
+    assert 0 < tiered["archive_tokens"] <= 400 - 128 and tiered["archive_ratio_vs_fp16"] > tiered["ratio_vs_fp16"]
+    assert "archive_ratio_vs_fp16" not in rows["int8"]
+    table = capsys.readouterr().out
+    header = next(line for line in table.splitlines() if line.startswith("method"))
+    assert "x fp16  archive x fp16" in header
+    line = next(line for line in table.splitlines() if line.startswith("tiered:128:tq"))
+    assert f"{tiered['archive_ratio_vs_fp16']:.2f}x" in line.split()
+    assert next(line for line in table.splitlines() if line.startswith("int8 ")).split()[3] == "-"
+
+
 def test_merge_rows_replaces_a_rerun_method_and_marks_it():
     import importlib.util
     from pathlib import Path

@@ -109,6 +109,29 @@ def test_fitted_codec_state_counts_toward_the_total():
     assert m.total_bytes == sum(t.bytes for t in m.tiers) + state == cache.memory_report()["total_bytes"]
 
 
+def test_archive_ratio_counts_its_tokens_bytes_and_fitted_state():
+    """The oldest tier's own ratio, from `collect` and from `memory_report()["archive"]` (what `kvpack compare` prints),
+    against the bytes counted here from the tensors and the state of the codecs named for that tier, a retired fit
+    included: the fp16 bytes of its tokens over both."""
+    model = _llama()
+    cache = kvpack.KVCache(model, "tiered:1024:shard")
+    _fill(model, cache, 2600)  # 1,500 tokens past the boundary: the archive fits on them
+    layers = [layer for layer in cache.layers if isinstance(layer, KVPackLayer)]
+    layers[0].retire_codecs("tier1")  # an earlier fit keeps reading its segment: its state still counts with the tier
+    state = sum(c.state_nbytes() for layer in layers for name, c in layer._codecs.items() if name.split("_")[0].split("@")[0] == "tier1")
+    assert state == sum(c.state_nbytes() for layer in layers for name, c in layer._codecs.items() if name.startswith("tier1")) > 0
+    tokens, nbytes = _counted(cache)["tier1"]
+    assert tokens >= 1024
+    archive, report = collect(cache).tier("tier1"), cache.memory_report()["archive"]
+    assert (archive.tokens, archive.bytes, archive.state_bytes) == (tokens, nbytes, state)
+    assert archive.ratio_with_state == pytest.approx(tokens * KV_BYTES_PER_TOKEN / (nbytes + state))
+    assert archive.ratio_with_state < archive.ratio_vs_fp16
+    assert report == {"tier": "tier1", "tokens": tokens, "bytes": nbytes, "state_bytes": state, "fp16_bytes": tokens * KV_BYTES_PER_TOKEN,
+                      "ratio": pytest.approx(archive.ratio_with_state)}
+    assert sum(t.state_bytes for t in collect(cache).tiers) == collect(cache).codec_state_bytes
+    assert "archive" not in kvpack.KVCache(model, "int8").memory_report()  # no tiers, no archive
+
+
 def test_sliding_layers_are_their_own_tier():
     torch.manual_seed(0)
     cfg = Gemma3TextConfig(num_hidden_layers=3, num_key_value_heads=1, head_dim=32, sliding_window=32, sliding_window_pattern=3, **SMALL)

@@ -1,4 +1,4 @@
-"""Cache metrics as Python objects, and a Prometheus exporter for them (ADR-004; issue 13 item 5).
+"""Cache metrics as Python objects, and a Prometheus exporter for them (ADR-004).
 
 `collect(cache)` reads what a `KVCache` holds right now: per tier its token positions, the bytes its
 tensors hold (`KVPackLayer.memory`, the same count as `KVCache.memory_report`) and the ratio against
@@ -29,13 +29,22 @@ FP16_BYTES = 2
 class TierMetrics:
     """One tier, summed over layers. tokens: positions the tier holds in each layer (every compressed layer
     holds the same split, as they see the same updates). bytes: held by its tensors, spare block capacity
-    included. fp16_bytes: the same tokens as fp16 K and V. ratio_vs_fp16: fp16_bytes / bytes."""
+    included. fp16_bytes: the same tokens as fp16 K and V. ratio_vs_fp16: fp16_bytes / bytes. state_bytes: the
+    fitted state of the codecs that coded the tier (PCA bases, codebooks; earlier fits that still read their
+    segments included), which `CacheMetrics.total_bytes` counts once for the whole cache."""
 
     tier: str
     tokens: int
     bytes: int
     fp16_bytes: int
     ratio_vs_fp16: float
+    state_bytes: int = 0
+
+    @property
+    def ratio_with_state(self) -> float:
+        """fp16_bytes / (bytes + state_bytes): what the tier costs per token with its codecs' fitted state."""
+        held = self.bytes + self.state_bytes
+        return self.fp16_bytes / held if held else math.nan
 
 
 @dataclass(frozen=True)
@@ -89,13 +98,18 @@ class _Tally:
 
     def __init__(self):
         self.rows: dict[str, list[int]] = {}
+        self.state: dict[str, int] = {}
 
     def add(self, tier: str, tokens: int, nbytes: int, fp16: int) -> None:
         row = self.rows.setdefault(tier, [0, 0, 0])
         row[0], row[1], row[2] = max(row[0], tokens), row[1] + nbytes, row[2] + fp16
 
+    def add_state(self, layer: KVPackLayer) -> None:
+        for kind, nbytes in layer.state_nbytes_by_kind().items():
+            self.state[kind] = self.state.get(kind, 0) + nbytes
+
     def tiers(self) -> tuple[TierMetrics, ...]:
-        return tuple(TierMetrics(name, t, b, f, f / b if b else math.nan) for name, (t, b, f) in self.rows.items())
+        return tuple(TierMetrics(name, t, b, f, f / b if b else math.nan, self.state.get(name, 0)) for name, (t, b, f) in self.rows.items())
 
 
 def _layer_tiers(layer: KVPackLayer) -> Iterator[tuple[str, int, int]]:
@@ -158,6 +172,7 @@ def collect(cache: KVCache) -> CacheMetrics:
             for tier, tokens, nbytes in _layer_tiers(layer):
                 tally.add(tier, tokens, nbytes, 0 if tier == anchors.KIND else tokens * per_token)  # anchors: no tokens of their own
             state += layer.memory()["codec_state"]
+            tally.add_state(layer)
         elif getattr(layer, "is_initialized", False):
             tokens, nbytes, fp16 = _sliding(layer)
             tally.add("sliding_window", tokens, nbytes, fp16)

@@ -63,6 +63,8 @@ def _run(model, ids, method: str, args, reference: list[torch.Tensor] | None) ->
     mem = probe
     row = {"method": method, "status": "ok", "tokens": mem["tokens"], "total_bytes": mem["total_bytes"], "fp16_bytes": mem["fp16_bytes"],
            "ratio_vs_fp16": mem["fp16_bytes"] / mem["total_bytes"], "ppl": result.ppl, "nll": result.nll, "seconds": time.perf_counter() - start}
+    if "archive" in mem:  # a method with older tiers: its oldest tier's own ratio, fitted state included
+        row |= {"archive_tokens": mem["archive"]["tokens"], "archive_ratio_vs_fp16": mem["archive"]["ratio"]}
     if kl:
         per_token = torch.cat(kl)
         row |= {"kl": per_token.mean().item(), "kl_se": (per_token.std() / len(per_token) ** 0.5).item()}

@@ -499,10 +499,14 @@ class KVCache(Cache):
 
         fp16_bytes counts what transformers' DynamicCache in fp16 would hold for the same tokens
         (sliding layers at their bounded size); tokens evicted under a memory budget (`evicted_tokens`,
-        per layer) are not among them.
+        per layer) are not among them. A method with older tiers also gets "archive": its oldest tier
+        over all layers, `{"tier", "tokens" (per layer, the most), "bytes", "state_bytes" (its codecs'
+        fitted state), "fp16_bytes", "ratio" (fp16 over bytes plus state)}`.
         """
         segments: dict[str, int] = {}
         total = fp16 = evicted = 0
+        oldest = f"tier{len(self.method.tiers)}" if self.method.tiers else None
+        archive = {"tier": oldest, "tokens": 0, "bytes": 0, "state_bytes": 0, "fp16_bytes": 0}
         for layer in self.layers:
             if isinstance(layer, KVPackLayer):
                 if not layer.is_initialized:
@@ -511,15 +515,23 @@ class KVCache(Cache):
                     segments[name] = segments.get(name, 0) + nbytes
                     total += nbytes
                 # tokens held: evicted ones hold no bytes, so they would inflate the ratio
-                fp16 += layer.batch * layer.kv_heads * (layer.length - layer.evicted_tokens) * (layer.head_dim + layer.v_head_dim) * 2
+                per_token = layer.batch * layer.kv_heads * (layer.head_dim + layer.v_head_dim) * 2
+                fp16 += (layer.length - layer.evicted_tokens) * per_token
                 evicted = max(evicted, layer.evicted_tokens)
+                if oldest is not None:
+                    archived = [seg for seg in list(layer.segments) if seg.kind == oldest]
+                    tokens = sum(seg.length for seg in archived)
+                    archive["tokens"] = max(archive["tokens"], tokens)
+                    archive["bytes"] += sum(seg.nbytes() for seg in archived)
+                    archive["state_bytes"] += layer.state_nbytes_by_kind().get(oldest, 0)
+                    archive["fp16_bytes"] += tokens * per_token
             elif getattr(layer, "is_initialized", False):
                 held = layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
                 segments["sliding_window"] = segments.get("sliding_window", 0) + held
                 total += held
                 fp16 += (layer.keys.numel() + layer.values.numel()) * 2
         tokens = self.get_seq_length()
-        return {
+        report = {
             "method": self.method.name,
             "tokens": tokens,
             "total_bytes": total,
@@ -529,6 +541,10 @@ class KVCache(Cache):
             "evicted_tokens": evicted,
             "segments": segments,
         }
+        if oldest is not None:
+            spent = archive["bytes"] + archive["state_bytes"]
+            report["archive"] = archive | {"ratio": archive["fp16_bytes"] / spent if spent else float("nan")}
+        return report
 
 
 def _refuse_export(cache: KVCache):

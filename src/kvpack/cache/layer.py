@@ -702,7 +702,16 @@ class KVPackLayer(CacheLayerMixin):
             out[key] = out.get(key, 0) + seg.nbytes()
         if self.anchors is not None:
             out["anchors"] = self.anchors.nbytes()
-        out["codec_state"] = sum(c.state_nbytes() for c in self._codecs.values())
+        out["codec_state"] = sum(self.state_nbytes_by_kind().values())
+        return out
+
+    def state_nbytes_by_kind(self) -> dict[str, int]:
+        """Fitted codec state bytes per segment kind ("stream", "tier1", ...): codecs are named `<kind>_<side>`, and a
+        retired fit `<kind>@<generation>_<side>` (`retire_codecs`) still reads its segments, so it counts with its kind."""
+        out: dict[str, int] = {}
+        for name, codec in list(self._codecs.items()):  # a copy: the metrics exporter reads while a flush may add one
+            kind = name.rpartition("_")[0].partition("@")[0]
+            out[kind] = out.get(kind, 0) + codec.state_nbytes()
         return out
 
     # -- helpers -------------------------------------------------------------------------------

@@ -35,6 +35,8 @@ COLUMNS: list[tuple[str, Callable[[dict], str], str | None]] = [
     ("method", lambda row: row["method"], None),
     ("bytes/token", _number("bytes_per_token", "{:,.0f}"), None),
     ("x fp16", _number("ratio_vs_fp16", "{:.2f}x"), None),
+    # a method with older tiers: its oldest tier's own ratio (codec state included), beside the whole cache's
+    ("archive x fp16", _number("archive_ratio_vs_fp16", "{:.2f}x"), None),
     ("ppl", _number("ppl", "{:.3f}"), None),
     ("ppl delta", _ppl_delta, "ppl_delta_ci"),
     ("needle", _needle, "needle_ci"),

@@ -115,6 +115,7 @@ def evaluate_method(model, tokenizer, method: str, cfg: EvalConfig, ids: torch.T
         "tokens": mem["tokens"], "total_bytes": mem["total_bytes"], "fp16_bytes": mem["fp16_bytes"],
         "bytes_per_token": mem["bytes_per_token"], "ratio_vs_fp16": mem["fp16_bytes"] / mem["total_bytes"],
         "segments": mem.get("segments"),
+        **({"archive_tokens": mem["archive"]["tokens"], "archive_ratio_vs_fp16": mem["archive"]["ratio"]} if "archive" in mem else {}),
         "ppl": ppl.ppl, "nll": ppl.nll, "ppl_tokens": ppl.tokens, "chunk": ppl.chunk, "token_nll": ppl.token_nll,
         "needle_found": recall["found"], "needle_total": recall["total"], "needle_ci": recall["ci"],
         "needle_kinds": recall["kinds"], "needle_cells": recall["cells"], "needle": [t.as_dict() for t in trials],
