@@ -1,4 +1,4 @@
-"""transformers' own cache tests, run with `kvpack.KVCache` in place of the caches they construct (issue #12).
+"""transformers' own cache tests, run with `kvpack.KVCache` in place of the caches they construct.
 
 Source: `tests/utils/test_cache_utils.py` of huggingface/transformers, as stored at commit
 a8cd2918967e097e1ad8d689193dccdd84a71d92 (repository evalstate/transformers, a fork of

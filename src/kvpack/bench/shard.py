@@ -1,4 +1,4 @@
-"""Shard (issue 5) measurements on real models: compression by context, perplexity delta, the quality
+"""Shard measurements on real models: compression by context, perplexity delta, the quality
 vs budget curve, needle recall and decode speed, each against an uncompressed `DynamicCache`.
 
     python -m kvpack.bench.shard                       # everything below, in priority order

@@ -35,7 +35,7 @@ from .decode import fill_kvpack, prefill_dynamic
 from .env import environment
 
 PROG = "python -m kvpack.bench.storage"
-GOAL = ("shard", 15.0)  # issue #16: the PCA/Shard path at >= 15x fp16 on disk
+GOAL = ("shard", 15.0)  # the goal for the PCA/Shard path: >= 15x fp16 on disk
 
 
 def _part(name: str) -> str:

@@ -1,7 +1,7 @@
 """Bitshift trellis-coded quantization (TCQ): a vector quantizer for rotated coordinates, pure torch.
 
 The scalar Lloyd-Max quantizer TurboQuant uses sits 1.45-2.4x above the Shannon bound 4^-b per coordinate at b bits
-(issue #14's moonshot asks for a vector codec below it at equal bits). A bitshift trellis (as in QTIP, Tseng et al.
+(a vector codec can sit below it at equal bits). A bitshift trellis (as in QTIP, Tseng et al.
 2024) codes a sequence of n coordinates with one bit string: the state before coordinate i is the last L bits read,
 each coordinate shifts k = b new bits in, and coordinate i is reconstructed as `codebook[state_i]`, a table of 2^L
 values. Decoding is a table lookup per coordinate from a window of the bit string, as TurboQuant's centroid lookup is
