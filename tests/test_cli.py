@@ -124,6 +124,10 @@ def test_compare_prints_the_archives_own_ratio_beside_the_whole_caches(tmp_path,
     line = next(line for line in table.splitlines() if line.startswith("tiered:128:tq"))
     assert f"{tiered['archive_ratio_vs_fp16']:.2f}x" in line.split()
     assert next(line for line in table.splitlines() if line.startswith("int8 ")).split()[3] == "-"
+    from kvpack.eval.report import format_table, markdown_table
+
+    untiered = [rows["dynamic"], rows["int8"]]  # no method with older tiers: no archive column at all
+    assert "archive" not in format_table(untiered) and "archive" not in markdown_table(untiered)
 
 
 def test_merge_rows_replaces_a_rerun_method_and_marks_it():

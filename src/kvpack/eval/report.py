@@ -48,8 +48,16 @@ COLUMNS: list[tuple[str, Callable[[dict], str], str | None]] = [
 ]
 
 
+# Columns shown only when some row has their key: a table of methods without older tiers has no archive column.
+OPTIONAL = {"archive x fp16": "archive_ratio_vs_fp16"}
+
+
+def _columns(rows: list[dict]) -> list[tuple[str, Callable[[dict], str], str | None]]:
+    return [c for c in COLUMNS if c[0] not in OPTIONAL or any(OPTIONAL[c[0]] in r for r in rows)]
+
+
 def _headers(rows: list[dict]) -> list[str]:
-    return [name + (" [95% CI]" if ci and any(r.get(ci) for r in rows) else "") for name, _, ci in COLUMNS]
+    return [name + (" [95% CI]" if ci and any(r.get(ci) for r in rows) else "") for name, _, ci in _columns(rows)]
 
 
 def _fixed(cells: list[list[str]]) -> list[str]:
@@ -62,7 +70,7 @@ def _fixed(cells: list[list[str]]) -> list[str]:
 def format_table(rows: list[dict]) -> str:
     """A fixed-width table; unavailable methods get one line with the reason; then the needle recall per cell and kind."""
     ok = [r for r in rows if r.get("status") == "ok"]
-    lines = _fixed([_headers(ok)] + [[cell(r) for _, cell, _ in COLUMNS] for r in ok])
+    lines = _fixed([_headers(ok)] + [[cell(r) for _, cell, _ in _columns(ok)] for r in ok])
     lines += [f"{r['method']}: {r['status']}" for r in rows if r.get("status") != "ok"]
     needles = format_needle_cells(ok)
     return "\n".join(lines) + ("\n\n" + needles if needles else "")
@@ -90,8 +98,9 @@ def markdown_table(rows: list[dict]) -> str:
     """Markdown of the ok rows; a row merged in from a later run (scripts/merge_rows.py) is marked `*`."""
     ok = [{**r, "method": r["method"] + " *"} if r.get("merged_from") else r for r in rows if r.get("status") == "ok"]
     head = "| " + " | ".join(_headers(ok)) + " |"
-    sep = "|" + "|".join("---" if i == 0 else "---:" for i in range(len(COLUMNS))) + "|"
-    body = ["| " + " | ".join(cell(r) for _, cell, _ in COLUMNS) + " |" for r in ok]
+    columns = _columns(ok)
+    sep = "|" + "|".join("---" if i == 0 else "---:" for i in range(len(columns))) + "|"
+    body = ["| " + " | ".join(cell(r) for _, cell, _ in columns) + " |" for r in ok]
     return "\n".join([head, sep, *body])
 
 
