@@ -7,12 +7,11 @@ are a zero-copy view `[:, :, :length]` that a kernel reads in one call however m
 holds, and crop moves the end offset rather than re-concatenating anything.
 
 Capacity grows by an eighth of the live tokens, at least one block and at most `MAX_SLACK_BLOCKS` blocks
-of the size being appended. The slack is memory really held (`nbytes` counts it): growing by an eighth, a
-31,000-token archive (32K on Qwen2.5, fed in 256-token chunks) took 3,800 tokens' worth of capacity at
-once and ended with about 3,100 of them empty, a tenth of its bytes. With at most 4 appended blocks of slack, a
-run that keeps growing is copied once per 4 appends; every forward between two appends reads the whole
-run (attention), so the copies add at most a quarter of those reads' memory traffic (a prompt scored in
-chunks), and in decode, which appends a block every `block_size` steps, under 1/(4 x `block_size`).
+of the size being appended. The slack is memory really held (`nbytes` counts it): an eighth of a long
+archive (31,680 tokens at 32K on Qwen2.5) is 3,960 tokens' worth of bytes held for tokens not there yet.
+Past 16 blocks of slack, appending copies the run once per 16 blocks appended; decode reads the whole
+run at every step and appends a block every `block_size` steps, so the copy costs about one step's read
+of the run once per 16 x `block_size` steps.
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ import torch
 from ..codecs.base import Packed
 
 GROWTH_DIVISOR = 8  # capacity = needed + needed // 8 while that is under MAX_SLACK_BLOCKS blocks: at most 12.5% slack
-MAX_SLACK_BLOCKS = 4  # and at most 4 appended blocks' worth: a long run holds a bounded slack, copied once per 4 appends
+MAX_SLACK_BLOCKS = 16  # and at most 16 appended blocks' worth: a long run holds a bounded slack, copied once per 16 blocks
 
 
 def _fields(packed: Packed) -> list[str]:
