@@ -43,22 +43,6 @@ def test_block_run_appends_without_copying_earlier_blocks_and_truncates_by_offse
     assert run.length == 300 and torch.equal(run.view().codes, before)
 
 
-def test_a_long_run_holds_at_most_sixteen_blocks_of_slack():
-    """A 30,000-token run (a long prompt's archive) that then grows block by block: its spare capacity stays within an
-    eighth of the live tokens and within 16 appended blocks, and every token reads back as appended."""
-    codec = Int8Codec(Int8Config(), 16, 1)
-    first = codec.encode(torch.randn(1, 1, 30000, 16))
-    blocks = [codec.encode(torch.randn(1, 1, 64, 16)) for _ in range(40)]
-    run = BlockRun(first)
-    assert run.capacity == 30000  # the first block at its exact size
-    slack = []
-    for blk in blocks:
-        run.append(blk)
-        slack.append(run.capacity - run.length)
-    assert max(slack) <= 16 * 64 and min(slack) == 0  # grown twice, each time by 16 blocks, not by 3,750 tokens
-    assert torch.equal(run.view().codes, torch.cat([first.codes, *(b.codes for b in blocks)], dim=2))
-
-
 def test_compact_frees_the_slack_and_keeps_the_live_tokens_and_an_earlier_view():
     codec = Int8Codec(Int8Config(), 64, 2)
     blocks = [codec.encode(torch.randn(1, 2, 64, 64)) for _ in range(6)]

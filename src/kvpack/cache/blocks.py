@@ -6,12 +6,9 @@ idea, with one page per tier): appending a block writes into the spare capacity,
 are a zero-copy view `[:, :, :length]` that a kernel reads in one call however many blocks it
 holds, and crop moves the end offset rather than re-concatenating anything.
 
-Capacity grows by an eighth of the live tokens, at least one block and at most `MAX_SLACK_BLOCKS` blocks
-of the size being appended. The slack is memory really held (`nbytes` counts it): an eighth of a long
-archive (31,680 tokens at 32K on Qwen2.5) is 3,960 tokens' worth of bytes held for tokens not there yet.
-Past 16 blocks of slack, appending copies the run once per 16 blocks appended; decode reads the whole
-run at every step and appends a block every `block_size` steps, so the copy costs about one step's read
-of the run once per 16 x `block_size` steps.
+Capacity grows geometrically (by an eighth, at least one block), so appending costs O(1) copied
+bytes per token amortized while the slack stays under an eighth of the live tokens; the slack is
+memory really held, and `nbytes` counts it.
 """
 
 from __future__ import annotations
@@ -23,8 +20,7 @@ import torch
 
 from ..codecs.base import Packed
 
-GROWTH_DIVISOR = 8  # capacity = needed + needed // 8 while that is under MAX_SLACK_BLOCKS blocks: at most 12.5% slack
-MAX_SLACK_BLOCKS = 16  # and at most 16 appended blocks' worth: a long run holds a bounded slack, copied once per 16 blocks
+GROWTH_DIVISOR = 8  # capacity = needed + needed // 8: at most 12.5% slack, ~8 copies per token over a run's life
 
 
 def _fields(packed: Packed) -> list[str]:
@@ -67,7 +63,7 @@ class BlockRun:
         n = block.num_tokens
         need = self.length + n
         if need > self.capacity:
-            self._grow(need + max(n, min(need // GROWTH_DIVISOR, MAX_SLACK_BLOCKS * n)))
+            self._grow(need + max(n, need // GROWTH_DIVISOR))
         for name in self._names:
             part = getattr(block, name)
             if part.dtype != self._bufs[name].dtype:
