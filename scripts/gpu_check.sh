@@ -7,7 +7,9 @@
 # Results go to $OUT (default bench/results/gpu): run.log, attention-cuda.{json,png}, attention-cuda-shard.{json,png},
 # decode-cuda-b{1,32}.json. RANDOM_WEIGHTS=1 builds MODEL (then a directory holding its config.json) with random
 # weights: decode speed only, for a machine without the weights (fixed-width codecs cost the same on any weights).
-# STAGES picks stages (default "tests attention profile decode"; "candidates" times the default against
+# STAGES picks stages (default "tests attention profile decode"; "sweep" times kernel variants to sweep-pairs.json; "ncu"
+# profiles one call of each kernel with Nsight Compute; "step" times a layer's step eager and from CUDA graphs, to
+# attention-cuda-step.json; "candidates" times the default against
 # `+ropemean` and a `heads` method, keys with a pre-RoPE bias, to attention-cuda-candidates-d{64,128}.json; "tcq" times the
 # default against its `+tcq` form, to attention-cuda-tcq.json; "throughput" runs each cache at the batch it fits in a 40 GiB
 # KV budget at 32K tokens, to throughput-cuda-32k.json); each has its own time limit (T_TESTS, T_ATTN,
@@ -27,7 +29,7 @@ python3 -c "import sys, torch, triton, transformers; print(sys.version.split()[0
 STAGES=" ${STAGES:-tests attention profile decode} "
 want() { [[ "$STAGES" == *" $1 "* ]]; }
 
-want tests && stage "${T_TESTS:-140}" env KVPACK_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider -rs --tb=short tests/test_triton_kernels.py tests/test_triton_shard.py ${TEST_ARGS:-}
+want tests && stage "${T_TESTS:-140}" env KVPACK_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider -rs --tb=short tests/test_triton_kernels.py tests/test_triton_shard.py ${TEST_K:+-k "$TEST_K"} ${TEST_ARGS:-}
 
 attn=(python3 -m kvpack.bench.attention --device cuda --dtype bfloat16 --contexts 8192 32768 --shapes d64-gqa7 d128-gqa4 --reps 20)
 want attention && stage "${T_ATTN:-90}" "${attn[@]}" --batch 1 32 --methods turboquant:k3v2 int8 --out "$OUT/attention-cuda.json"
@@ -67,6 +69,24 @@ want decode && for batch in 1 32; do
         --batch "$batch" --contexts 8192,32768 --methods dynamic,turboquant:k3v2,int8 --steps 128 --warmup 72 \
         --json "$OUT/decode-cuda-b$batch.json"
 done
+# Kernel variants at batch 32, 32K (tiles, warps, stages, centroid pairs, word loads), with registers and bandwidth share.
+want sweep && stage "${T_SWEEP:-150}" python3 scripts/gpu_sweep.py --shapes b32-kv8-g4-d128 b32-kv2-g7-d64 --kernels tq tq-turn int8 \
+    --variants base before before-t64-s1 bytes t32 t128 t128-w8 t64-w8 s2 --out "$OUT/sweep-pairs.json"
+# Nsight Compute on one call of each kernel as shipped and as before: issue slots, stalls, occupancy, memory throughput.
+if want ncu; then
+    NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    for cfg in "tq-turn base" "tq-turn before-t64-s1" "tq base" "int8 base"; do
+        set -- $cfg
+        stage "${T_NCU:-40}" env PYTHONPATH="scripts:${PYTHONPATH:-}" "$NCU" --clock-control none --section SpeedOfLight --section Occupancy \
+            --section LaunchStats --section WarpStateStats --section SchedulerStats --section ComputeWorkloadAnalysis \
+            -k regex:attention_kernel --launch-skip 1 --launch-count 1 python3 scripts/gpu_ncu.py --kernel "$1" --variant "$2"
+    done
+fi
+# A layer's decode step at 32K (the default, plain TurboQuant, int8), eager and replayed from CUDA graphs, with the
+# bytes each step reads as a share of the copy bandwidth.
+want step && stage "${T_STEP:-150}" python3 -m kvpack.bench.attention --device cuda --dtype bfloat16 --contexts 32768 \
+    --shapes d64-gqa7 d128-gqa4 --batch 1 32 --reps 20 --key-bias 1.0 --graph --out "$OUT/attention-cuda-step.json" \
+    --methods "${default/k3v2/k3v2+ropemean}" turboquant:k3v2 int8
 # The user's figure: decode tokens/s in a fixed KV budget, each cache at the largest batch its measured bytes fit.
 want throughput && stage "${T_THROUGHPUT:-240}" python3 -m kvpack.bench.throughput --device cuda --dtype bfloat16 --model "$MODEL" \
     "${weights[@]}" --context 32768 --kv-budget-gib "${KV_GIB:-40}" --steps 32 --methods "dynamic,${default/k3v2/k3v2+ropemean}" --json "$OUT/throughput-cuda-32k.json"

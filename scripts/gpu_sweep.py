@@ -19,9 +19,17 @@ from kvpack.bench.env import environment
 from kvpack.kernels import triton_attention
 from kvpack.primitives.lloyd_max import lloyd_max_codebook
 
-VARIANTS = {  # name: _Plan attributes replaced ("split_factor" scales the split count)
+VARIANTS = {  # name: _Plan attributes replaced ("split_factor" scales the split count); "@64" values apply at 33-64 dims
     "base": {},
-    "old": {"f16": False, "grouped": False, "block_t": 64, "select": False},  # as first measured: before fp16 dots, grouped codes, wide tiles
+    # TurboQuant before centroid pairs: 128-token tiles in 3 stages (at 65-128 dims more shared memory than an H200 has,
+    # so the launch falls back to 64 tokens in 1 stage), and at 33-64 dims the select chain
+    "before": {"pairs": False, "words": False, "num_stages": None, "block_t": 128, "select@64": True},
+    "before-t64-s1": {"pairs": False, "words": False, "num_stages": 1, "block_t": 64, "select@64": True},
+    "bytes": {"words": False},  # pairs with codes assembled from bytes, not read as words
+    "s2": {"num_stages": 2},
+    "t64-w8": {"block_t": 64, "num_warps": 8},
+    "t32-w2": {"block_t": 32, "num_warps": 2},
+    "old": {"f16": False, "grouped": False, "block_t": 64, "select": False, "pairs": False, "num_stages": None},  # as first measured
     "f32dots": {"f16": False},
     "per-code": {"grouped": False},
     "t32": {"block_t": 32},
@@ -41,6 +49,25 @@ SHAPES = {  # batch, kv heads, query rows per kv head, head_dim
 
 
 KERNELS = ("tq", "tq-turn", "tq-tcq", "tq-turn-tcq", "int8")
+PLANS: list = []  # the plans of the calls made under a patched `_Plan`: what actually launched (tile, stages, registers)
+
+
+def bytes_read(kernel: str, shape: str, t: int) -> int:
+    """Bytes one call reads from HBM at least: every code, norm or scale of the segment once (the queries and partials
+    are < 0.1% of it)."""
+    b, kv, _, d = SHAPES[shape]
+    per_token = {"int8": 2 * d + 4, "sdpa-bf16": 4 * d}.get(kernel, d * 3 // 8 + d * 2 // 8 + 4)
+    return b * kv * t * per_token
+
+
+def copy_bandwidth(device: str) -> float:
+    """Bytes/s of a 2 GiB device-to-device copy (read + write counted), the machine's practical HBM ceiling."""
+    if device != "cuda":
+        return float("nan")
+    x = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    ms = triton.testing.do_bench(lambda: y.copy_(x), warmup=5, rep=50)
+    return 2 * x.numel() / (ms * 1e-3)
 SDPA = torch.nn.functional.scaled_dot_product_attention
 
 
@@ -52,8 +79,14 @@ def _patched_plan(overrides: dict):
         original(self, q, t, d, dv, num_splits, **kwargs)
         overrides_ = dict(overrides)
         factor = overrides_.pop("split_factor", 1.0)
+        narrow = max(self.block_d, self.block_dv) <= 64
         for name, value in overrides_.items():
-            setattr(self, name, value)
+            if name.endswith("@64"):
+                if narrow:
+                    setattr(self, name[:-3], value)
+            else:
+                setattr(self, name, value)
+        PLANS.append(self)
         if "block_t" in overrides_ or factor != 1.0:
             tiles = triton.cdiv(t, self.block_t)
             splits = max(1, round(self.splits * factor))
@@ -105,6 +138,8 @@ def main() -> None:
                     help="tq-turn: keys centered on a turning mean (+ropemean); tq-tcq: trellis tables (+tcq)")
     args = ap.parse_args()
     rows = []
+    peak = copy_bandwidth(args.device)
+    print(f"device-to-device copy: {peak / 1e12:.2f} TB/s", flush=True)
     for shape in args.shapes:
         data = inputs(shape, args.context, args.device)
         q, k, v = data["sdpa"]
@@ -113,7 +148,8 @@ def main() -> None:
         timed = {"folded": bench(lambda q=folded, k=k, v=v: SDPA(q, k, v), args.device),
                  "enable_gqa": bench(lambda q=q, k=k, v=v: SDPA(q, k, v, enable_gqa=True), args.device)}
         for variant, ms in timed.items():
-            rows.append({"shape": shape, "kernel": "sdpa-bf16", "variant": variant, "ms": ms})
+            gbps = bytes_read("sdpa-bf16", shape, args.context) / (ms * 1e-3) / 1e9
+            rows.append({"shape": shape, "kernel": "sdpa-bf16", "variant": variant, "ms": ms, "gb_per_s": gbps, "peak_share": gbps * 1e9 / peak})
             print(f"{shape:18s} sdpa-bf16 {variant:10s} {ms:8.4f} ms", flush=True)
         sdpa = min(timed.values())  # the faster SDPA form is the baseline
         for kernel in args.kernels:
@@ -125,18 +161,28 @@ def main() -> None:
                 original, init = _patched_plan(overrides)
                 triton_attention._Plan.__init__ = init
                 try:
+                    PLANS.clear()
                     _, denom, o = fn(**data[kernel])
                     err = (o / denom - base).abs().max().item()
                     ms = bench(lambda fn=fn, kw=data[kernel]: fn(**kw), args.device)
-                    row = {"shape": shape, "kernel": kernel, "variant": variant, "ms": ms, "vs_sdpa": sdpa / ms, "max_diff_vs_base": err}
+                    plan = PLANS[0]
+                    gbps = bytes_read(kernel, shape, args.context) / (ms * 1e-3) / 1e9
+                    row = {"shape": shape, "kernel": kernel, "variant": variant, "ms": ms, "vs_sdpa": sdpa / ms, "max_diff_vs_base": err,
+                           "gb_per_s": gbps, "peak_share": gbps * 1e9 / peak, "block_t": getattr(plan, "block_t_run", None),
+                           "num_stages": getattr(plan, "stages_run", None), "num_warps": plan.num_warps, "splits": plan.splits,
+                           "pairs": getattr(plan, "pairs", None), "words": getattr(plan, "words", None),
+                           "registers": getattr(getattr(plan, "compiled", None), "n_regs", None),
+                           "spills": getattr(getattr(plan, "compiled", None), "n_spills", None)}
                 except Exception as e:  # a variant that does not fit (shared memory, registers) is recorded
                     row = {"shape": shape, "kernel": kernel, "variant": variant, "error": f"{type(e).__name__}: {str(e)[:200]}"}
                 finally:
                     triton_attention._Plan.__init__ = original
                 rows.append(row)
-                print(f"{shape:18s} {kernel:5s} {variant:14s} " + (f"{row['ms']:8.4f} ms  x{row['vs_sdpa']:.2f} vs sdpa  diff {row['max_diff_vs_base']:.1e}" if "ms" in row else row["error"]), flush=True)
+                print(f"{shape:18s} {kernel:5s} {variant:14s} " + (
+                    f"{row['ms']:8.4f} ms  x{row['vs_sdpa']:.2f} vs sdpa  {row['peak_share']:.0%} of copy bw  diff {row['max_diff_vs_base']:.1e}  "
+                    f"t{row['block_t']} s{row['num_stages']} w{row['num_warps']} regs {row['registers']} spills {row['spills']}" if "ms" in row else row["error"]), flush=True)
         with open(args.out, "w") as f:
-            json.dump({"environment": environment("python scripts/gpu_sweep.py"), "context": args.context, "rows": rows}, f, indent=1)
+            json.dump({"environment": environment("python scripts/gpu_sweep.py"), "context": args.context, "copy_bytes_per_s": peak, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

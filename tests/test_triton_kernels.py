@@ -175,6 +175,46 @@ def test_float32_dots_and_per_code_unpacking(op, monkeypatch):
     assert_within_low_precision(op, on_device(run_triton, op, **args, num_splits=3), args)
 
 
+PAIR_CASES = [  # head_dim, GQA group, key bits, value bits, token tile, turning pairs (0: none)
+    (128, 4, 3, 2, 64, 0),  # the default's widths: byte-assembled keys, word-read values
+    (64, 7, 3, 2, 32, 5),  # with the turning term
+    (128, 1, 4, 1, 16, 0),  # words on both sides; one-bit values
+    (80, 3, 2, 4, 64, 0),  # 80 channels: 20- and 40-byte rows, a tile padded to 128
+    (96, 2, 1, 3, 32, 0),  # 12-byte rows of one-bit keys, 3-bit values assembled from bytes
+]
+
+
+@in_process
+@pytest.mark.parametrize("d,group,k_bits,v_bits,block_t,pairs", PAIR_CASES, ids=[f"d{c[0]}-k{c[2]}v{c[3]}-t{c[4]}" for c in PAIR_CASES])
+@pytest.mark.parametrize("words", [False, True])
+def test_tq_attention_reading_centroid_pairs(d, group, k_bits, v_bits, block_t, pairs, words, monkeypatch):
+    """Two channels' fp16 centroids per table read (`pair_table`), codes assembled from bytes or read as 32-bit words,
+    the loop not pipelined: the same float16 criterion as the default path, at awkward widths and token tiles."""
+    init = triton_attention._Plan.__init__
+
+    def paired(self, *a, **k):
+        init(self, *a, **k)
+        self.pairs, self.words, self.num_stages, self.block_t = True, words, 1, block_t
+
+    monkeypatch.setattr(triton_attention._Plan, "__init__", paired)
+    args = tq_inputs(d, group, k_bits, v_bits) | {"bias": make_bias(B, 1, T)}
+    if pairs:
+        args |= turning_inputs(d, group, pairs)
+    assert_within_low_precision("tq_attention", on_device(run_triton, "tq_attention", **args, num_splits=3), args)
+
+
+def test_pair_table_holds_both_centroids():
+    """Entry lo + n·hi: fp16 of centroid lo in the low half, of centroid hi in the high half (read back bit by bit)."""
+    cent = lloyd_max_codebook(64, 3, "gaussian").centroids
+    table = triton_attention.pair_table(cent)
+    assert table.dtype == torch.int32 and table.shape == (64,)
+    lo = (table & 0xFFFF).to(torch.int16).view(torch.float16)
+    hi = ((table >> 16) & 0xFFFF).to(torch.int16).view(torch.float16)
+    idx = torch.arange(64)
+    assert torch.equal(lo, cent.half()[idx % 8]) and torch.equal(hi, cent.half()[idx // 8])
+    assert triton_attention.pair_table(cent) is table  # built once per centroid tensor
+
+
 @in_process
 def test_tq_attention_offset_softcap_strided_and_masked_rows():
     """Row offsets, softcap, codes read through token-narrowed views of a larger buffer (no copy), a

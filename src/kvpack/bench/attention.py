@@ -113,9 +113,48 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
     }
 
 
+_COPY: dict[str, float] = {}
+
+
+def copy_bandwidth(device: str) -> float:
+    """Bytes/s of a 1 GiB device-to-device copy, read and write counted (median of 20): the practical ceiling a
+    memory-bound step is held to (`peak_share`). Measured once per process; NaN on CPU."""
+    if not device.startswith("cuda"):
+        return float("nan")
+    if device not in _COPY:
+        x = torch.empty(2**30, dtype=torch.uint8, device=device)
+        y = torch.empty_like(x)
+        time_one = _timer(device)
+        y.copy_(x)
+        _COPY[device] = 2 * x.numel() / statistics.median(time_one(lambda: y.copy_(x)) for _ in range(20))
+    return _COPY[device]
+
+
+def graphed(fn, device: str):
+    """`fn` captured into a CUDA graph after a warm-up on a side stream: `(replay, None)`, or `(None, reason)` when the
+    step does not capture (a host sync, a copy from host memory, a shape decided on the host...)."""
+    try:
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        graph.replay()
+        return graph.replay, None
+    except Exception as e:  # recorded in the row: which step does not capture, and why
+        return None, f"{type(e).__name__}: {str(e)[:300]}"
+
+
 def bench_one(method: str, n: int, shape: str, reps: int = 30, batch: int = 1, device: str = "cpu",
-              dtype: torch.dtype = torch.float32, key_bias: float = 0.0) -> dict:
-    """One cell: `method` is a method name or a method JSON file (`load_method`)."""
+              dtype: torch.dtype = torch.float32, key_bias: float = 0.0, graph: bool = False) -> dict:
+    """One cell: `method` is a method name or a method JSON file (`load_method`). Besides the times, the bytes each
+    side's step reads (the cache's bytes: every code, norm, scale and exact row once; the bf16 K/V for SDPA), the
+    rate that makes, and its share of the device's copy bandwidth. `graph`: the same two steps also replayed from CUDA
+    graphs (no Python or launch cost per kernel), alternated, when the step captures."""
     kv_heads, q_heads, d = SHAPES[shape]
     layer = build_layer(load_method(method), n, kv_heads, d, batch=batch, device=device, dtype=dtype, key_bias=key_bias)
     k, v = (t.to(dtype) for t in layer.dequantized())
@@ -139,13 +178,30 @@ def bench_one(method: str, n: int, shape: str, reps: int = 30, batch: int = 1, d
     med = {name: statistics.median(ts) for name, ts in times.items()}
     base_name = min(baselines, key=med.get)
     mem = layer.memory()
+    cache_bytes, bf16_bytes = sum(mem.values()), 2 * batch * kv_heads * n * d * 2
+    peak = copy_bandwidth(device)
+    roof = {"copy_bytes_per_s": peak, "ours_gb_per_s": cache_bytes / med["ours"] / 1e9, "sdpa_gb_per_s": bf16_bytes / med[base_name] / 1e9,
+            "ours_peak_share": cache_bytes / med["ours"] / peak, "sdpa_peak_share": bf16_bytes / med[base_name] / peak}
+    if graph and device.startswith("cuda"):
+        replay, why = graphed(ours, device)
+        base_replay, base_why = graphed(baselines[base_name], device)
+        if replay is None or base_replay is None:
+            roof["graph_error"] = why or base_why
+        else:
+            g_times = {"ours": [], "sdpa": []}
+            for _ in range(reps):
+                g_times["ours"].append(time_one(replay))
+                g_times["sdpa"].append(time_one(base_replay))
+            g_med = {name: statistics.median(ts) for name, ts in g_times.items()}
+            roof |= {"graph_ours_ms": g_med["ours"] * 1e3, "graph_sdpa_ms": g_med["sdpa"] * 1e3, "graph_speedup_vs_sdpa": g_med["sdpa"] / g_med["ours"],
+                     "graph_ours_peak_share": cache_bytes / g_med["ours"] / peak}
     return {
         "method": method, "context": n, "shape": shape, "batch": batch, "device": device, "dtype": str(dtype).removeprefix("torch."),
         "key_bias": key_bias, "path": "segmented" if fused_decode(layer, q, scale) is None else "fused",
         "ours_ms": med["ours"] * 1e3, "sdpa_ms": med[base_name] * 1e3, "sdpa_kind": base_name,
         **{f"sdpa_{name}_ms": med[name] * 1e3 for name in baselines},
         "slowdown_vs_sdpa": med["ours"] / med[base_name], "speedup_vs_sdpa": med[base_name] / med["ours"],
-        "max_abs_err_vs_dequantized": err, "cache_bytes": sum(mem.values()), "bf16_bytes": 2 * batch * kv_heads * n * d * 2,
+        "max_abs_err_vs_dequantized": err, "cache_bytes": cache_bytes, "bf16_bytes": bf16_bytes, **roof,
     }
 
 
@@ -179,6 +235,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--key-bias", type=float, default=0.0,
                     help="a constant un-RoPEd key per kv head, in units of a key's RMS norm (as a QKV bias; 0: none)")
+    ap.add_argument("--graph", action="store_true", help="on CUDA, also time both steps replayed from CUDA graphs")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path, default=Path("bench/results/attention.json"))
     args = ap.parse_args(argv)
@@ -195,14 +252,17 @@ def main(argv: list[str] | None = None) -> None:
             for n in args.contexts:
                 for method in args.methods:
                     try:
-                        row = bench_one(method, n, shape, args.reps, batch, args.device, dtype, args.key_bias)
+                        row = bench_one(method, n, shape, args.reps, batch, args.device, dtype, args.key_bias, args.graph)
                     except Exception as e:  # one failing cell is recorded, the sweep goes on
                         row = {"method": method, "context": n, "shape": shape, "batch": batch, "error": f"{type(e).__name__}: {e}"}
                         print(f"{shape:10s} b{batch:<3d} {n:6d} {method:22s} FAILED {row['error'][:300]}", flush=True)
                     else:
                         print(f"{shape:10s} b{batch:<3d} {n:6d} {method:22s} ours {row['ours_ms']:8.3f} ms  sdpa {row['sdpa_ms']:7.3f} ms "
                               f"({row['sdpa_kind']})  x{row['speedup_vs_sdpa']:.2f}  err {row['max_abs_err_vs_dequantized']:.1e}  "
-                              f"{row['bf16_bytes'] / row['cache_bytes']:.2f}x smaller than bf16", flush=True)
+                              f"{row['bf16_bytes'] / row['cache_bytes']:.2f}x smaller than bf16"
+                              + (f"  {row['ours_peak_share']:.0%} / {row['sdpa_peak_share']:.0%} of copy bw" if args.device == "cuda" else "")
+                              + (f"  graphs: ours {row['graph_ours_ms']:.3f} ms sdpa {row['graph_sdpa_ms']:.3f} ms x{row['graph_speedup_vs_sdpa']:.2f}"
+                                 if "graph_ours_ms" in row else f"  graph: {row['graph_error'][:200]}" if "graph_error" in row else ""), flush=True)
                     rows.append(row)
                     if args.device == "cuda":
                         torch.cuda.empty_cache()

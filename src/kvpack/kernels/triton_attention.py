@@ -97,6 +97,32 @@ def _windows_groups(row_ptrs, groups, mask, BITS: tl.constexpr, STATE: tl.conste
 
 
 @triton.jit
+def _pair_values(row_ptrs, units, mask, pair_ptr, BITS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+                 WORDS: tl.constexpr):
+    """float16 unit values (BT, BLOCK_C) of TurboQuant code rows `row_ptrs (BT, 1)`, two channels per table read.
+
+    `pair_ptr` holds `2**(2·BITS)` int32 entries (`pair_table`): entry `lo | hi << BITS` is fp16(centroid[lo]) in its
+    low half and fp16(centroid[hi]) in its high half, so the 2·BITS bits of channels 2k and 2k + 1 (LSB first) index
+    both values at once. Against one float32 read per code this halves the reads and their 64-bit address arithmetic,
+    which with the byte assembly were most of the loop's instructions (docs/guide/gpu.md), and the values need no
+    conversion to the float16 the dots take. `units (1, BU)`: 8-code groups (BITS bytes each, assembled from byte
+    loads), or with WORDS (BITS dividing 32, rows of whole 32-bit words) the rows' words, one load per 32 / BITS codes."""
+    if WORDS:
+        word = tl.load(row_ptrs.to(tl.pointer_type(tl.int32)) + units, mask=mask, other=0)
+    else:
+        word = tl.zeros(units.shape, tl.int32) + tl.zeros([BLOCK_T, 1], tl.int32)
+        for i in tl.static_range(BITS):
+            byte = tl.load(row_ptrs + units * BITS + i, mask=mask, other=0)
+            word = word | (byte.to(tl.int32) << (8 * i))
+    per: tl.constexpr = BLOCK_C // (2 * units.shape[1])  # pairs per unit: 4 per group, 16 / BITS per word
+    idx = (word[:, :, None] >> (tl.arange(0, per) * (2 * BITS))[None, None, :]) & ((1 << (2 * BITS)) - 1)
+    both = tl.load(pair_ptr + idx)  # int32: two fp16 values each
+    lo = (both & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
+    hi = (both >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+    return tl.reshape(tl.join(lo, hi), (BLOCK_T, BLOCK_C))
+
+
+@triton.jit
 def _values(row_ptrs, cols, groups, tok_ok, table_ptr, C: tl.constexpr, BITS: tl.constexpr, STATE: tl.constexpr,
             NBYTES: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, GROUPED: tl.constexpr, SELECT: tl.constexpr):
     """Unit values (BT, BLOCK_C) float32 of TurboQuant code rows: centroids of scalar codes (STATE == BITS), or a
@@ -237,6 +263,7 @@ def _tq_attention_kernel(
     HAS_OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, FINAL: tl.constexpr,
     PRECISION: tl.constexpr, F16: tl.constexpr, GROUPED: tl.constexpr, SELECT: tl.constexpr,
     HAS_TURN: tl.constexpr, BLOCK_M: tl.constexpr, KSTATE: tl.constexpr, VSTATE: tl.constexpr,
+    KPAIRS: tl.constexpr = False, VPAIRS: tl.constexpr = False, KWORDS: tl.constexpr = False, VWORDS: tl.constexpr = False,
 ):
     pid_bh = tl.program_id(0).to(tl.int64)
     b, h = pid_bh // H, pid_bh % H
@@ -261,6 +288,11 @@ def _tq_attention_kernel(
             cos_j, sin_j = _turning_table(rate, tl.float32, BLOCK_T)
     gk = tl.arange(0, BLOCK_D // 8)
     gv = tl.arange(0, BLOCK_DV // 8)
+    # The pair path's units: the rows' 32-bit words (KWORDS / VWORDS) or their 8-code groups, and how many a row holds.
+    uk = tl.arange(0, BLOCK_D * KBITS // 32) if KWORDS else gk
+    uv = tl.arange(0, BLOCK_DV * VBITS // 32) if VWORDS else gv
+    KUNITS: tl.constexpr = KBYTES // 4 if KWORDS else D // 8
+    VUNITS: tl.constexpr = VBYTES // 4 if VWORDS else DV // 8
     kc = kc_ptr + b * skc_b + h * skc_h
     kn = kn_ptr + b * skn_b + h * skn_h
     vc = vc_ptr + b * svc_b + h * svc_h
@@ -274,8 +306,12 @@ def _tq_attention_kernel(
     for t0 in range(start, end, BLOCK_T):
         toks = t0 + tl.arange(0, BLOCK_T)
         tok_ok = toks < end
-        k = _values(kc + toks[:, None] * skc_t, dk, gk, tok_ok, kcent_ptr, D, KBITS, KSTATE, KBYTES, BLOCK_T, BLOCK_D, GROUPED,
-                    SELECT)  # (BT, BD) unit values; padded channels meet q = 0
+        if KPAIRS:  # (a jitted helper returns one dtype, so the float16 pair path is chosen here)
+            k = _pair_values(kc + toks[:, None] * skc_t, uk[None, :], tok_ok[:, None] & (uk[None, :] < KUNITS), kcent_ptr, KBITS,
+                             BLOCK_T, BLOCK_D, KWORDS)
+        else:
+            k = _values(kc + toks[:, None] * skc_t, dk, gk, tok_ok, kcent_ptr, D, KBITS, KSTATE, KBYTES, BLOCK_T, BLOCK_D, GROUPED,
+                        SELECT)  # (BT, BD) unit values; padded channels meet q = 0
         k_norm = tl.load(kn + toks * skn_t, mask=tok_ok, other=0.0).to(tl.float32)
         if F16:  # one tensor-core pass; |centroid| <= 1 and the scaled query <= 1, so fp16 holds them
             s = tl.dot(q16, tl.trans(k.to(tl.float16))) * (q_amax[:, None] * k_norm[None, :])
@@ -288,8 +324,12 @@ def _tq_attention_kernel(
         s = _finish_scores(s, b, h, rows, toks, row_ok, tok_ok, scale, softcap,
                            bias_ptr, sb_b, sb_h, sb_r, sb_t, bias_rows, HAS_BIAS, HAS_SOFTCAP)
         m_i, alpha, p = _softmax_step(s, m_i)
-        v = _values(vc + toks[:, None] * svc_t, dv, gv, tok_ok, vcent_ptr, DV, VBITS, VSTATE, VBYTES, BLOCK_T, BLOCK_DV, GROUPED,
-                    SELECT)  # (BT, BDV)
+        if VPAIRS:
+            v = _pair_values(vc + toks[:, None] * svc_t, uv[None, :], tok_ok[:, None] & (uv[None, :] < VUNITS), vcent_ptr, VBITS,
+                             BLOCK_T, BLOCK_DV, VWORDS)
+        else:
+            v = _values(vc + toks[:, None] * svc_t, dv, gv, tok_ok, vcent_ptr, DV, VBITS, VSTATE, VBYTES, BLOCK_T, BLOCK_DV, GROUPED,
+                        SELECT)  # (BT, BDV)
         v_norm = tl.load(vn + toks * svn_t, mask=tok_ok, other=0.0).to(tl.float32)
         # The value norm scales p (BR x BT) rather than the (BT x BDV) centroid tile: fewer multiplies.
         # In fp16, p·norm <= norm, itself an fp16 value: no overflow.
@@ -497,10 +537,16 @@ class _Plan:
         # the gather with 64-token tiles at batch 32, twice confirmed; the select chain was 1.5x slower at 128 dims).
         # Trellis codes ("tq-tcq") read a table per channel whatever the width: the gather, and at 33-64 dims 64-token
         # tiles (0.81 against 1.01 ms for 128, batch 32, 32K, with the turning term; sweep-turn-tcq.json).
-        if kernel in ("tq", "int8", "tq-tcq") and width == 128:
+        if kernel in ("int8", "tq-tcq") and width == 128:
             self.block_t = 128
-        if kernel == "tq" and width == 64:
-            self.block_t, self.select = 128, True
+        # TurboQuant's scalar codes: two channels' fp16 centroids per table read (`_pair_values`), 32-bit word loads
+        # where the width divides 32, 64-token tiles, and no software pipelining. The plan above had asked 128-token
+        # tiles pipelined over 3 stages at 65-128 dims, which needs 268 KB of shared memory where an H200 has 227 KB:
+        # every such launch fell back to 64-token tiles in one stage (`launch`), the configuration its figures were
+        # measured in. The pair path's loop has 0.27 warp instructions per code against 0.39 (d = 128) and 0.80 for
+        # the select chain (d = 64), counted in the sm_90 code Triton compiles (docs/guide/gpu.md).
+        self.pairs = self.words = kernel == "tq"
+        self.num_stages: int | None = 1 if kernel == "tq" else None
         self.num_warps = 4 if width <= 128 else 8
         self.row_blocks = triton.cdiv(r, self.block_r)
         tiles = triton.cdiv(t, self.block_t)
@@ -528,12 +574,15 @@ class _Plan:
         than the GPU has (tl.dot operands of a 64-row x 128-dim tile with the loop software-pipelined: 288 KB
         asked of an H200's 227 KB) retries with half the token tile and no pipelining, and the shape keeps that
         choice. Splits stay whole tiles: split_len is a multiple of any smaller power-of-two tile."""
-        key = (id(kernel), self.block_r, self.block_d, self.block_dv, self.block_t)
-        block_t, stages = _SHRUNK.get(key, (self.block_t, None))
+        key = (id(kernel), self.block_r, self.block_d, self.block_dv, self.block_t, self.num_stages, self.num_warps,
+               tuple(sorted(constexprs.items())))
+        block_t, stages = _SHRUNK.get(key, (self.block_t, self.num_stages))
         while True:
             try:
-                kernel[self.grid](*args, BLOCK_T=block_t, num_warps=self.num_warps, **({} if stages is None else {"num_stages": stages}),
-                                  **constexprs)
+                # (the compiled kernel is kept for inspection: registers and spills, scripts/gpu_sweep.py)
+                self.compiled = kernel[self.grid](*args, BLOCK_T=block_t, num_warps=self.num_warps,
+                                                  **({} if stages is None else {"num_stages": stages}), **constexprs)
+                self.block_t_run, self.stages_run = block_t, stages
                 return
             except OutOfResources:
                 if block_t <= 16:
@@ -572,6 +621,32 @@ def _turns_per_token(freq: torch.Tensor) -> torch.Tensor:
         key = id(freq)
         hit = _RATES[key] = (weakref.ref(freq, lambda _, key=key: _RATES.pop(key, None)), (freq.double() / (2 * math.pi)).contiguous())
     return hit[1]
+
+
+_PAIRS: dict[int, tuple] = {}
+
+
+def pair_table(centroids: torch.Tensor) -> torch.Tensor:
+    """`(n²,)` int32 table of fp16 centroid pairs for `_pair_values`: entry `lo + n·hi` holds fp16(centroids[lo]) in its
+    low 16 bits and fp16(centroids[hi]) in its high 16. Built once per centroid tensor while it lives (the codec's
+    device copy, shared by its calls): no extra launch per decode step."""
+    hit = _PAIRS.get(id(centroids))
+    if hit is None or hit[0]() is not centroids:
+        n = centroids.numel()
+        half = centroids.to(torch.float16).view(torch.int16).to(torch.int64) & 0xFFFF
+        idx = torch.arange(n * n, device=centroids.device)
+        word = half[idx % n] | (half[idx // n] << 16)
+        table = torch.where(word >= 2**31, word - 2**32, word).to(torch.int32).contiguous()
+        key = id(centroids)
+        hit = _PAIRS[key] = (weakref.ref(centroids, lambda _, key=key: _PAIRS.pop(key, None)), table)
+    return hit[1]
+
+
+def _words_ok(codes: torch.Tensor, bits: int, block_c: int) -> bool:
+    """Whether code rows can be read as 32-bit words: a width dividing 32, rows and token strides of whole words, an
+    aligned base, and at least one word per row tile."""
+    return (bits in (1, 2, 4) and codes.shape[-1] % 4 == 0 and all(st % 4 == 0 for st in codes.stride()[:-1])
+            and codes.data_ptr() % 4 == 0 and block_c * bits >= 32)
 
 
 def _bias_args(bias: torch.Tensor | None, q: torch.Tensor) -> tuple:
@@ -617,6 +692,12 @@ def tq_attention(
     k_state, v_state = (table.numel().bit_length() - 1 for table in (k_centroids, v_centroids))  # > bits: trellis windows
     plan = _Plan(q, t, q.shape[-1], d, num_splits, kernel="tq-tcq" if max(k_state - k_bits, v_state - v_bits) > 0 else "tq")
     m, denom, o = plan.buffers(q.device)
+    pairs_ok = plan.pairs and plan.grouped and plan.f16
+    k_pairs, v_pairs = (pairs_ok and state == bits <= 4 for state, bits in ((k_state, k_bits), (v_state, v_bits)))
+    k_words = k_pairs and plan.words and _words_ok(kc, k_bits, plan.block_d)
+    v_words = v_pairs and plan.words and _words_ok(vc, v_bits, plan.block_dv)
+    k_table = pair_table(k_centroids) if k_pairs else k_centroids.contiguous()
+    v_table = pair_table(v_centroids) if v_pairs else v_centroids.contiguous()
     off = (q, 0, 0, 0) if row_offset is None else (row_offset, *_strides(row_offset))
     turn, block_m = (q, 0, 0, 0, q, q, q, q, 0, 0), 16
     if turn_q is not None:
@@ -626,8 +707,8 @@ def tq_attention(
         block_m = max(16, triton.next_power_of_2(turn_pair.shape[-1]))  # tl.dot's smallest inner size
     plan.launch(
         _tq_attention_kernel,
-        q, *_strides(q), kc, *_strides(kc), kn, *_strides(kn), k_centroids.contiguous(),
-        vc, *_strides(vc), vn, *_strides(vn), v_centroids.contiguous(),
+        q, *_strides(q), kc, *_strides(kc), kn, *_strides(kn), k_table,
+        vc, *_strides(vc), vn, *_strides(vn), v_table,
         *off, *_bias_args(bias, q), *turn, m, denom, o,
         plan.h, plan.r, t, plan.split_len, float(scale), float(softcap),
         D=q.shape[-1], DV=d, KBITS=k_bits, VBITS=v_bits, KBYTES=kc.shape[-1], VBYTES=vc.shape[-1],
@@ -635,6 +716,7 @@ def tq_attention(
         HAS_OFFSET=row_offset is not None, HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap > 0,
         FINAL=plan.splits == 1, PRECISION=plan.precision, F16=plan.f16, GROUPED=plan.grouped, SELECT=plan.select,
         HAS_TURN=turn_q is not None, BLOCK_M=block_m, KSTATE=k_state, VSTATE=v_state,
+        KPAIRS=k_pairs, VPAIRS=v_pairs, KWORDS=k_words, VWORDS=v_words,
     )
     return plan.finish(m, denom, o)
 
