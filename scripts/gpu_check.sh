@@ -71,7 +71,7 @@ want decode && for batch in 1 32; do
 done
 # Kernel variants at batch 32, 32K (tiles, warps, stages, centroid pairs, word loads), with registers and bandwidth share.
 want sweep && stage "${T_SWEEP:-150}" python3 scripts/gpu_sweep.py --shapes b32-kv8-g4-d128 b32-kv2-g7-d64 --kernels tq tq-turn int8 \
-    --variants base before before-t64-s1 bytes t32 t128 t128-w8 t64-w8 s2 --out "$OUT/sweep-pairs.json"
+    --variants base before before-t64-s1 select-s1 bytes t32 t128 t128-w8 t64-w8 s2 --out "$OUT/sweep-pairs.json"
 # Nsight Compute on one call of each kernel as shipped and as before: issue slots, stalls, occupancy, memory throughput.
 if want ncu; then
     NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)

@@ -25,6 +25,7 @@ VARIANTS = {  # name: _Plan attributes replaced ("split_factor" scales the split
     # so the launch falls back to 64 tokens in 1 stage), and at 33-64 dims the select chain
     "before": {"pairs": False, "words": False, "num_stages": None, "block_t": 128, "select@64": True},
     "before-t64-s1": {"pairs": False, "words": False, "num_stages": 1, "block_t": 64, "select@64": True},
+    "select-s1": {"pairs": False, "words": False, "select": True, "block_t": 128, "num_stages": 1},  # the select chain unpipelined
     "bytes": {"words": False},  # pairs with codes assembled from bytes, not read as words
     "s2": {"num_stages": 2},
     "t64-w8": {"block_t": 64, "num_warps": 8},
