@@ -43,16 +43,16 @@ def test_decode_step_traces_whole(method, device_path):
 @pytest.mark.parametrize("sync", ["branch on item", "tolist"])
 def test_a_host_sync_in_the_step_is_caught(sync, device_path, monkeypatch):
     """The check itself: a step that reads a value to the host (here in the merge) fails to trace whole."""
-    merge = table.merge
+    merge = table.merge_with_exact
 
-    def syncing(parts):
+    def syncing(q, k, v, scale, parts):
         if sync == "tolist":
             parts = [(m + len(m.flatten().tolist()) * 0, denom, o) for m, denom, o in parts]
         elif parts[0][0].max().item() > 1e30:  # a Python branch on a tensor's value
             raise AssertionError("unreachable")
-        return merge(parts)
+        return merge(q, k, v, scale, parts)
 
-    monkeypatch.setattr(table, "merge", syncing)
+    monkeypatch.setattr(table, "merge_with_exact", syncing)
     _, q, step = _traced_step("int8")
     with pytest.raises((torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError)):
         step(q)

@@ -497,12 +497,14 @@ def _op_samples():
     pool8 = torch.randint(0, 255, (6, H, 8, 132), dtype=torch.uint8)
     pool8[..., 0:4] = torch.tensor([0, 36, 0, 36], dtype=torch.uint8)  # fp16 scales of 1/64
     paged8 = (torch.randn(B, H, 4, 64), pool8, *paged[3:6], [0, 2, 4, 68], 0.125)
+    parts = [reference.exact_attention(torch.randn(B, H, 4, 64), torch.randn(B, H, 9, 64), torch.randn(B, H, 9, 64), 0.125) for _ in range(2)]
+    merge = (torch.randn(B, H, 4, 64), torch.randn(B, H, 7, 64), torch.randn(B, H, 7, 64), 0.125, *(list(x) for x in zip(*parts, strict=True)))
     return {"tq_attention": tq, "int8_attention": i8, "kivi_attention": kv, "tq_encode": enc, "kivi_encode": kenc, "tq_paged_attention": paged,
-            "int8_paged_attention": paged8}
+            "int8_paged_attention": paged8, "exact_merge": merge}
 
 
 @pytest.mark.parametrize("op", ["tq_attention", "int8_attention", "kivi_attention", "tq_encode", "kivi_encode", "tq_paged_attention",
-                                "int8_paged_attention"])
+                                "int8_paged_attention", "exact_merge"])
 def test_opcheck(op):
     # opcheck raises on a failure; the result names each check and says whether it passed.
     results = torch.library.opcheck(getattr(torch.ops.kvpack, op).default, _op_samples()[op])
@@ -524,3 +526,19 @@ def test_torch_compile_fullgraph():
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")  # Dynamo + fake tensors, no C++ codegen
     for got, want in zip(compiled(*args), step(*args), strict=True):
         torch.testing.assert_close(got, want, equal_nan=True)  # batch row 1 is fully masked: 0 / 0
+
+
+def test_exact_merge_is_softmax_attention_over_every_row():
+    """`exact_merge`'s reference against plain softmax attention over all rows at once: the exact rows' partial merged with
+    partials of the other rows (one of them a part no row attends to) is attention over the union."""
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(B, H, 5, 64, generator=gen)
+    chunks = [(torch.randn(B, H, n, 64, generator=gen), torch.randn(B, H, n, 48, generator=gen)) for n in (11, 30, 4)]
+    bias = torch.zeros(1, 1, 1, 4).fill_(float("-inf"))  # the last chunk: fully masked
+    parts = [reference.exact_attention(q, *chunks[1], 0.125), reference.exact_attention(q, *chunks[2], 0.125, bias)]
+    got = reference.exact_merge(q, *chunks[0], 0.125, *(list(x) for x in zip(*parts, strict=True)))
+    k, v = torch.cat([c[0] for c in chunks[:2]], 2), torch.cat([c[1] for c in chunks[:2]], 2)
+    want = torch.softmax(q @ k.mT * 0.125, -1) @ v
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="same partials"):
+        reference.exact_merge(q, *chunks[0], 0.125, [parts[0][0]], [], [])

@@ -215,6 +215,33 @@ def test_pair_table_holds_both_centroids():
     assert triton_attention.pair_table(cent) is table  # built once per centroid tensor
 
 
+MERGE_CASES = [  # head dim, value dim, query rows, exact rows, segment partials, exact rows' dtype
+    (64, 64, 7, 37, 1, torch.float32),
+    (128, 128, 4, 300, 3, torch.bfloat16),  # sinks + window + anchors of a 32K prompt
+    (80, 96, 63, 5, 2, torch.float16),
+    (64, 64, 1, 0, 2, torch.float32),  # no exact rows
+    (96, 96, 9, 40, 0, torch.float32),  # no segments
+]
+
+
+@in_process
+@pytest.mark.parametrize("d,dv,rows,e,p,dtype", MERGE_CASES, ids=[f"d{c[0]}-r{c[2]}-e{c[3]}-p{c[4]}" for c in MERGE_CASES])
+def test_exact_merge(d, dv, rows, e, p, dtype):
+    """The exact rows' online softmax and the merge with the segments' partials in one launch, against the reference:
+    float32 throughout, so within float32 rounding (a fully masked partial, m = l = o = 0, among the segments)."""
+    gen = torch.Generator().manual_seed(e)
+    q = torch.randn(B, H, rows, d, generator=gen)
+    k, v = (torch.randn(B, H, e, n, generator=gen).to(dtype) for n in (d, dv))
+    parts = [reference.exact_attention(q, torch.randn(B, H, 20, d, generator=gen), torch.randn(B, H, 20, dv, generator=gen), 0.1) for _ in range(p)]
+    if p > 1:
+        parts[1] = tuple(torch.zeros_like(x) for x in parts[1])
+    args = (q, k, v, 0.1, *(list(x) for x in zip(*parts, strict=True))) if parts else (q, k, v, 0.1, [], [], [])
+    got = on_device(run_triton, "exact_merge", *args)
+    want = reference.exact_merge(*args)
+    assert got.shape == want.shape == (B, H, rows, dv) and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+
+
 @in_process
 def test_tq_attention_offset_softcap_strided_and_masked_rows():
     """Row offsets, softcap, codes read through token-narrowed views of a larger buffer (no copy), a

@@ -23,10 +23,13 @@ def to_device(x):
     already there as it is, so views narrowed on the device (strided codes) stay views."""
     if isinstance(x, dict):
         return {k: to_device(v) for k, v in x.items()}
+    if isinstance(x, list):  # an op's `Tensor[]` argument
+        return [to_device(v) for v in x]
     return x.to(DEVICE) if isinstance(x, torch.Tensor) else x
 
 
-def on_device(fn, *args, **kwargs) -> tuple[torch.Tensor, ...]:
-    """`fn(*args, **kwargs)` with its tensor arguments on the test device; its outputs back on the CPU."""
+def on_device(fn, *args, **kwargs):
+    """`fn(*args, **kwargs)` with its tensor arguments on the test device; its output (a tensor or a tuple of them) back
+    on the CPU."""
     out = fn(*(to_device(a) for a in args), **{k: to_device(v) for k, v in kwargs.items()})
-    return tuple(o.cpu() for o in out)
+    return out.cpu() if isinstance(out, torch.Tensor) else tuple(o.cpu() for o in out)

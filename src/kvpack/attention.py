@@ -152,15 +152,16 @@ def fused_decode(layer: KVPackLayer, query: torch.Tensor, scaling: float) -> tor
         # batch-1 decode step is bound by launches (docs/guide/gpu.md); on CPU a partial's call costs ~12 us, two small
         # copies ~6 us. The adaptive boundary (`tracker`) reads each part's mass, so it keeps them apart.
         exact = [("exact", torch.cat([k for _, k, _ in exact], 2), torch.cat([v for _, _, v in exact], 2))]
-    parts = [table.exact_partial(q, k, v, scaling) for _, k, v in exact]
-    kinds = [kind for kind, _, _ in exact]
+    segments = []
     for seg in layer.segments:
         skip = None if a is None else a.skip_in(seg)
         part = table.segment_partial(q, seg, scaling, _first_position(layer, seg), skip)
-        parts.append(part if part is not None else _codec_partial(layer, seg, query, scaling))
-        kinds.append(seg.kind)
+        segments.append(part if part is not None else _codec_partial(layer, seg, query, scaling))
+    if layer.tracker is None and len(exact) == 1:  # the exact rows' partial and the merge in one call (one launch on CUDA)
+        return ungroup(table.merge_with_exact(q, exact[0][1], exact[0][2], scaling, segments), hq)
+    parts = [table.exact_partial(q, k, v, scaling) for _, k, v in exact] + segments
     if layer.tracker is not None:  # attention mass per part, from the partials: the adaptive boundary's live signal
-        layer.tracker.on_decode(layer, kinds, parts)
+        layer.tracker.on_decode(layer, [kind for kind, _, _ in exact] + [seg.kind for seg in layer.segments], parts)
     return ungroup(table.merge(parts), hq)
 
 

@@ -5,6 +5,7 @@ written once, in its `define` call below or in its family's file, e.g. `kernels/
 
     attention partials (m, l, o): tq_attention, int8_attention, kivi_attention, pca_vq_attention, exact_attention,
         int4_attention; each takes `Tensor? bias=None, float softcap=0.` and `Tensor? skip=None` after its inputs
+    the step's last stage: exact_merge -> the normalized output (the exact rows' partial merged with the segments')
     encode: tq_encode -> (norm, codes), kivi_encode -> (codes, scale, zero), trellis_encode -> symbols
 
 `define` registers an op once through `torch.library` (its schema, a fake (meta) implementation so
@@ -324,6 +325,14 @@ exact_attention = define(
     reference.exact_attention,
     lambda q, k, v, *args: partial_fake(q, v.shape[-1]),
     cpu=_exact_cpu,
+)
+
+exact_merge = define(
+    "exact_merge",
+    "(Tensor q, Tensor k, Tensor v, float scale, Tensor[] m, Tensor[] l, Tensor[] o) -> Tensor",
+    reference.exact_merge,
+    lambda q, k, v, *args: q.new_empty((*q.shape[:3], v.shape[-1]), dtype=torch.float32),
+    triton="triton_attention",
 )
 
 kivi_attention = define(

@@ -369,6 +369,25 @@ def exact_attention(
     return online_softmax((b, h, r), v.shape[-1], t, TOKEN_CHUNK, scores, values, scale, bias, softcap, compute_dtype, q.device)
 
 
+def merge_partials(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """Normalized attention `(B, H, R, dv)` from partials `(m, l (B, H, R, 1), o (B, H, R, dv))`:
+    `Σ e^(m_i - M) o_i / Σ e^(m_i - M) l_i`, M = max m_i (a row no part attends to gives 0)."""
+    ms = torch.cat([p[0] for p in parts], dim=-1)  # (B, H, R, parts)
+    w = torch.exp(ms - ms.amax(-1, keepdim=True))
+    total = (w * torch.cat([p[1] for p in parts], dim=-1)).sum(-1, keepdim=True)
+    out = (torch.stack([p[2] for p in parts], dim=-1) @ w.unsqueeze(-1)).squeeze(-1)
+    return out / total.clamp_min(1e-30)
+
+
+def exact_merge(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, m: list[torch.Tensor], l: list[torch.Tensor],  # noqa: E741
+                o: list[torch.Tensor]) -> torch.Tensor:
+    """A decode step's last stage: the partial over uncompressed rows `k, v` (`exact_attention`) merged with the
+    segments' partials `(m[i], l[i], o[i])` into the normalized output `(B, H, R, dv)` float32 (`merge_partials`)."""
+    if not len(m) == len(l) == len(o):
+        raise ValueError(f"m, l and o must list the same partials, got {len(m)}, {len(l)} and {len(o)}")
+    return merge_partials([exact_attention(q, k, v, scale), *zip(m, l, o, strict=True)])
+
+
 def tq_attention(
     q_rot: torch.Tensor,
     k_codes: torch.Tensor,

@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import cpu_lut, ops
+from . import cpu_lut, ops, reference
 
 Partial = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # m, l (b, kv, rows, 1); o (b, kv, rows, d_v)
 
@@ -147,10 +147,18 @@ register(Kernel(EXACT, lambda q, rows, req: ops.run("exact_attention", q, rows.k
 def merge(parts: list[Partial]) -> torch.Tensor:
     """Normalized attention `(b, kv, rows, d_v)` from the parts' partials: `Σ e^(m_i - M) o_i / Σ e^(m_i - M) l_i`,
     M = max m_i. One C++ call on CPU (instead of ~10 torch ops) when the C++ kernels run; torch ops otherwise."""
-    if parts[0][0].device.type == "cpu" and ops.get_backend() in (ops.Backend.AUTO, ops.Backend.CPU) and cpu_lut.available():
+    if _cpp(parts[0][0]):
         return cpu_lut.merge_partials([p[0] for p in parts], [p[1] for p in parts], [p[2] for p in parts])
-    ms = torch.cat([p[0] for p in parts], dim=-1)  # (b, kv, rows, parts)
-    w = torch.exp(ms - ms.amax(-1, keepdim=True))
-    total = (w * torch.cat([p[1] for p in parts], dim=-1)).sum(-1, keepdim=True)
-    out = (torch.stack([p[2] for p in parts], dim=-1) @ w.unsqueeze(-1)).squeeze(-1)
-    return out / total.clamp_min(1e-30)
+    return reference.merge_partials(parts)
+
+
+def _cpp(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and ops.get_backend() in (ops.Backend.AUTO, ops.Backend.CPU) and cpu_lut.available()
+
+
+def merge_with_exact(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, parts: list[Partial]) -> torch.Tensor:
+    """`merge([exact_partial(q, k, v, scale), *parts])`: the exact rows' partial and the merge of every part. On CPU two
+    C++ calls; elsewhere one `kvpack::exact_merge` op (on CUDA one Triton launch where the torch ops took ~20)."""
+    if _cpp(q):
+        return merge([exact_partial(q, k, v, scale), *parts])
+    return ops.run("exact_merge", q, k, v, scale, [p[0] for p in parts], [p[1] for p in parts], [p[2] for p in parts])

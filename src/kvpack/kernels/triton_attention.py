@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from .reference import check_int8_attention, check_kivi_attention, check_tq_attention, check_turning, skip_bias
+from .reference import check_int8_attention, check_kivi_attention, check_query, check_tq_attention, check_turning, skip_bias
 
 
 # -- shared device helpers -------------------------------------------------------------------------
@@ -474,6 +474,58 @@ def _merge_kernel(m_ptr, l_ptr, o_ptr, m_out, l_out, o_out, R, S,
     tl.store(o_out + out[:, None] * DV + dv[None, :], acc, mask=o_ok)
 
 
+@triton.jit
+def _exact_merge_kernel(
+    q_ptr, sq_b, sq_h, sq_r,
+    k_ptr, sk_b, sk_h, sk_t, v_ptr, sv_b, sv_h, sv_t,
+    pm_ptr, pl_ptr, po_ptr, P, N,
+    out_ptr, H, R, E, scale,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """A decode step's last stage in one program per (batch·kv head, row block): the online softmax over the E
+    uncompressed rows (sinks, window, anchors), then its log-sum-exp merge with the P segment partials
+    `pm, pl (P, N)`, `po (P, N, DV)`, N = B·H·R, into the normalized output (N, DV) (`reference.exact_merge`)."""
+    pid_bh = tl.program_id(0).to(tl.int64)
+    b, h = pid_bh // H, pid_bh % H
+    rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < R
+    dk = tl.arange(0, BLOCK_D)
+    dv = tl.arange(0, BLOCK_DV)
+    q = tl.load(q_ptr + b * sq_b + h * sq_h + rows[:, None] * sq_r + dk[None, :], mask=row_ok[:, None] & (dk[None, :] < D),
+                other=0.0).to(tl.float32)
+    m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_DV], tl.float32)
+    for t0 in range(0, E, BLOCK_T):
+        toks = t0 + tl.arange(0, BLOCK_T)
+        tok_ok = toks < E
+        k = tl.load(k_ptr + b * sk_b + h * sk_h + toks[:, None] * sk_t + dk[None, :], mask=tok_ok[:, None] & (dk[None, :] < D),
+                    other=0.0).to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        s = tl.where(tok_ok[None, :], s, float("-inf"))
+        m_i, alpha, p = _softmax_step(s, m_i)
+        v = tl.load(v_ptr + b * sv_b + h * sv_h + toks[:, None] * sv_t + dv[None, :], mask=tok_ok[:, None] & (dv[None, :] < DV),
+                    other=0.0).to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
+        l_i = l_i * alpha + tl.sum(p, 1)
+    m_i = tl.where(m_i == float("-inf"), 0.0, m_i)  # as a partial reports a row it does not attend to
+    flat = pid_bh * R + rows
+    o_ok = row_ok[:, None] & (dv[None, :] < DV)
+    big = m_i
+    for j in range(0, P):
+        big = tl.maximum(big, tl.load(pm_ptr + j * N + flat, mask=row_ok, other=0.0))
+    w = tl.exp(m_i - big)
+    total = w * l_i
+    out = acc * w[:, None]
+    for j in range(0, P):
+        part = j * N + flat
+        wj = tl.exp(tl.load(pm_ptr + part, mask=row_ok, other=0.0) - big)
+        total += wj * tl.load(pl_ptr + part, mask=row_ok, other=0.0)
+        out += wj[:, None] * tl.load(po_ptr + part[:, None] * DV + dv[None, :], mask=o_ok, other=0.0)
+    tl.store(out_ptr + flat[:, None] * DV + dv[None, :], out / tl.maximum(total, 1e-30)[:, None], mask=o_ok)
+
+
 # True when Triton's interpreter runs these kernels, CPU tensors allowed: TRITON_INTERPRET=1 was set before
 # triton (whose `tl.zeros`, `tl.sum`... are jit functions too) and this module were imported.
 INTERPRETED = not any(isinstance(f, triton.runtime.JITFunction) for f in (tl.zeros, _tq_attention_kernel))
@@ -798,3 +850,30 @@ def kivi_attention(
         HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap > 0, FINAL=plan.splits == 1, PRECISION=plan.precision,
     )
     return plan.finish(m, denom, o)
+
+
+def exact_merge(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, m: list[torch.Tensor], l: list[torch.Tensor],  # noqa: E741
+                o: list[torch.Tensor]) -> torch.Tensor:
+    """Triton `reference.exact_merge`: one launch for the exact rows' partial and the merge of every partial."""
+    b, h, r, d = check_query("q", q)
+    if not len(m) == len(l) == len(o):
+        raise ValueError(f"m, l and o must list the same partials, got {len(m)}, {len(l)} and {len(o)}")
+    _check_device(q)
+    dv = v.shape[-1]
+    if k.shape[2] == 0 and not m:
+        return q.new_zeros((b, h, r, dv), dtype=torch.float32)
+    q, k, v = (_rows_last(x) for x in (q, k, v))
+    n = b * h * r
+    pm = torch.stack([x.reshape(n) for x in m]).float() if m else q.new_zeros((0,), dtype=torch.float32)
+    pl = torch.stack([x.reshape(n) for x in l]).float() if l else pm
+    po = torch.stack([x.reshape(n, dv) for x in o]).float() if o else pm
+    out = torch.empty((b, h, r, dv), dtype=torch.float32, device=q.device)
+    block_d, block_dv = max(16, triton.next_power_of_2(d)), max(16, triton.next_power_of_2(dv))
+    block_r = min(64, max(16, triton.next_power_of_2(r)))
+    precision = "tf32x3" if q.device.type == "cuda" and torch.version.hip is None else "ieee"
+    _exact_merge_kernel[(b * h, triton.cdiv(r, block_r))](
+        q, *_strides(q), k, *_strides(k), v, *_strides(v), pm, pl, po, len(m), n, out, h, r, k.shape[2], float(scale),
+        D=d, DV=dv, BLOCK_R=block_r, BLOCK_T=32 if max(block_d, block_dv) <= 128 else 16, BLOCK_D=block_d, BLOCK_DV=block_dv,
+        PRECISION=precision, num_warps=4,
+    )
+    return out
