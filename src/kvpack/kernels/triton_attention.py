@@ -593,10 +593,11 @@ class _Plan:
             self.block_t = 128
         # TurboQuant's scalar codes: two channels' fp16 centroids per table read (`_pair_values`), 32-bit word loads
         # where the width divides 32, 64-token tiles, and no software pipelining. The plan above had asked 128-token
-        # tiles pipelined over 3 stages at 65-128 dims, which needs 268 KB of shared memory where an H200 has 227 KB:
+        # tiles pipelined over 3 stages at 65-128 dims, which needs 264 KB of shared memory where an H200 has 227 KB:
         # every such launch fell back to 64-token tiles in one stage (`launch`), the configuration its figures were
-        # measured in. The pair path's loop has 0.27 warp instructions per code against 0.39 (d = 128) and 0.80 for
-        # the select chain (d = 64), counted in the sm_90 code Triton compiles (docs/guide/gpu.md).
+        # measured in. In the sm_90 code Triton compiles (`kvpack.bench.kernel_code`), the pair path's loop holds 120
+        # registers against 255 and takes 0.26 warp instructions per code against 0.38 at d = 128 (0.32 against the
+        # select chain's 0.77 at d = 64); not yet timed on a GPU (docs/guide/gpu.md).
         self.pairs = self.words = kernel == "tq"
         self.num_stages: int | None = 1 if kernel == "tq" else None
         self.num_warps = 4 if width <= 128 else 8
