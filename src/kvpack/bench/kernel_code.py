@@ -4,6 +4,7 @@ instruction mix of the Triton kernels' machine code for a chosen architecture (s
     python -m kvpack.bench.kernel_code                     # the shipped plans at the shapes of docs/guide/gpu.md
     python -m kvpack.bench.kernel_code --json out.json
     python -m kvpack.bench.kernel_code --set pairs=0 words=0 block_t=64 num_stages=1   # another plan
+    python -m kvpack.bench.kernel_code --all      # every shipped launch compiles (run with the GPU's Triton version)
 
 A GPU is lent rarely and briefly; this is how a plan is judged between GPU runs (docs/guide/gpu.md). The launchers in
 `kernels/triton_attention.py` run as they would on a GPU, up to the launch itself, which is replaced by a compile for
@@ -34,6 +35,7 @@ import tempfile
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -148,7 +150,7 @@ def _capturing(target, overrides: dict | None = None):
 
     from ..kernels import triton_attention as ta
 
-    saved = (ta._Plan.launch, ta._check_device, ta._Plan.finish, ta._Plan.__init__)
+    saved = (ta._Plan.launch, ta._check_device, ta._Plan.finish, ta._Plan.__init__, ta.launch)
     init = ta._Plan.__init__
 
     def planned(plan, q, t, *a, **k):
@@ -160,18 +162,23 @@ def _capturing(target, overrides: dict | None = None):
     def record(plan, kernel, *args, **constexprs):
         target.append((plan, kernel, args, constexprs))
 
-    ta._Plan.launch, ta._Plan.__init__ = record, planned
+    def record_plain(kernel, grid, *args, num_warps: int = 4, num_stages: int | None = None, **constexprs):
+        target.append((SimpleNamespace(block_t=constexprs.pop("BLOCK_T"), num_warps=num_warps, num_stages=num_stages), kernel, args,
+                       constexprs))
+
+    ta._Plan.launch, ta._Plan.__init__, ta.launch = record, planned, record_plain
     ta._check_device = lambda t: None
     ta._Plan.finish = lambda plan, m, denom, o: (m, denom, o)
     try:
         yield
     finally:
-        ta._Plan.launch, ta._check_device, ta._Plan.finish, ta._Plan.__init__ = saved
+        ta._Plan.launch, ta._check_device, ta._Plan.finish, ta._Plan.__init__, ta.launch = saved
 
 
-def _inputs(kind: str, d: int, rows: int, tokens: int, turning: bool) -> tuple:
+def _inputs(kind: str, d: int, rows: int, tokens: int, turning: bool, bits: tuple[int, int] = (3, 2)) -> tuple:
     """CPU stand-ins for a launcher's arguments (contents are irrelevant: only shapes, dtypes and flags compile)."""
     from ..primitives.lloyd_max import lloyd_max_codebook
+    from ..primitives.packing import packed_length
 
     b, h = 1, 1
     u8 = lambda n: torch.zeros(b, h, tokens, n, dtype=torch.uint8)  # noqa: E731
@@ -179,30 +186,58 @@ def _inputs(kind: str, d: int, rows: int, tokens: int, turning: bool) -> tuple:
     q = torch.zeros(b, h, rows, d)
     if kind == "int8":
         return (q, u8(d).view(torch.int8), f16(), u8(d).view(torch.int8), f16(), d**-0.5), {}
-    k3, v2 = lloyd_max_codebook(d, 3, "gaussian").centroids, lloyd_max_codebook(d, 2, "gaussian").centroids
+    if kind == "exact":  # the step's last stage: ~300 exact rows in bf16 and two segment partials
+        k = torch.zeros(b, h, 300, d, dtype=torch.bfloat16)
+        part = (torch.zeros(b, h, rows, 1), torch.zeros(b, h, rows, 1), torch.zeros(b, h, rows, d))
+        return (q, k, k.clone(), d**-0.5, *([x, x] for x in part)), {}
+    kb, vb = bits
+    cent = {n: lloyd_max_codebook(d, n, "gaussian").centroids for n in {kb, vb}}
     kwargs = {}
     if turning:
         pairs = max(1, d // 8)
         kwargs = dict(turn_q=q.clone(), turn_pair=torch.arange(pairs).repeat(h, 1), turn_mu=torch.zeros(h, pairs, 2),
                       turn_freq=torch.ones(d // 2, dtype=torch.float64), turn_pos0=torch.zeros(b, dtype=torch.int64))
-    return (q, u8(d * 3 // 8), f16(), k3, 3, u8(d * 2 // 8), f16(), v2, 2, d, d**-0.5), kwargs
+    return (q, u8(packed_length(d, kb)), f16(), cent[kb], kb, u8(packed_length(d, vb)), f16(), cent[vb], vb, d, d**-0.5), kwargs
 
 
 def shipped(kind: str, d: int, rows: int, tokens: int = 32768, turning: bool = False, anchors: bool = False,
-            arch: int = 90, overrides: dict | None = None) -> Launch:
-    """The launch the shipped plan makes for one decode step's segment: `kind` "tq" (the default's widths, k3v2) or
-    "int8"; `turning`: keys centered on a turning mean (`+ropemean`); `anchors`: a skip mask (a bias row);
-    `overrides`: plan attributes replaced (`_capturing`)."""
+            arch: int = 90, overrides: dict | None = None, bits: tuple[int, int] = (3, 2)) -> Launch:
+    """The launch the shipped plan makes for one decode step's part: `kind` "tq" (TurboQuant codes of `bits` (key,
+    value) widths; the default's k3v2), "int8" or "exact" (`exact_merge`: the exact rows and the merge); `turning`:
+    keys centered on a turning mean (`+ropemean`); `anchors`: a skip mask (a bias row); `overrides`: plan attributes
+    replaced (`_capturing`)."""
     from ..kernels import triton_attention as ta
 
-    args, kwargs = _inputs(kind, d, rows, tokens, turning)
+    args, kwargs = _inputs(kind, d, rows, tokens, turning, bits)
     if anchors:
         kwargs["skip"] = torch.tensor([0, 5])
     launches: list = []
     with _capturing(launches, overrides):
-        (ta.int8_attention if kind == "int8" else ta.tq_attention)(*args, **kwargs)
+        {"int8": ta.int8_attention, "exact": ta.exact_merge}.get(kind, ta.tq_attention)(*args, **kwargs)
     plan, kernel, largs, constexprs = launches[0]
     return compile_launch(kernel, largs, constexprs, plan.block_t, plan.num_warps, plan.num_stages, arch)
+
+
+def compile_all(arch: int = 90, log=print) -> bool:
+    """Compile the launch of every shipped plan over head dims 64/80/128/256, 1-63 query rows (decode, GQA groups,
+    prefill continuations) and TurboQuant widths 1-4 bits, with and without the turning term; int8 and `exact_merge`
+    too. A compiler that refuses one (as Triton 3.6 refused the centroid-pair tile under a 64-row dot) is reported.
+    Run it with the GPU's Triton version: the compilers differ (3.9 compiled what 3.6 refused)."""
+    ok = True
+    for d in (64, 80, 128, 256):
+        for rows in (1, 7, 32, 63):
+            cases = [("tq", bits, turn) for bits in ((3, 2), (4, 4), (2, 4), (1, 3)) for turn in (False, True)]
+            for kind, bits, turn in [*cases, ("int8", (8, 8), False), ("exact", (16, 16), False)]:
+                try:
+                    launch = shipped(kind, d, rows, tokens=512, turning=turn, anchors=turn, arch=arch, bits=bits)
+                    status = "ok" if launch.fits else f"needs {launch.shared_bytes} bytes of shared memory"
+                except Exception as e:  # a compiler error: reported, the sweep goes on
+                    status = f"FAILED {type(e).__name__}: {str(e).splitlines()[0][:160]}"
+                ok &= status == "ok"
+                if status != "ok":
+                    log(f"d={d} rows={rows} {kind} k{bits[0]}v{bits[1]}{' +turning' if turn else ''}: {status}")
+    log("every shipped launch compiles" if ok else "some launches do not compile (above)")
+    return ok
 
 
 SHAPES = {"d64-gqa7": (64, 7), "d128-gqa4": (128, 4)}  # head dim, query rows per kv head (Qwen2.5-0.5B, Llama-3-8B)
@@ -212,6 +247,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", type=int, default=90, help="compute capability x10 (90: H100/H200)")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--all", action="store_true",
+                    help="compile every shipped launch over head dims, query rows and widths; exit 1 if one fails")
     ap.add_argument("--set", nargs="*", default=[], metavar="NAME=VALUE",
                     help="replace plan attributes (integers; 0/1 for flags), e.g. --set pairs=0 words=0 block_t=64 num_stages=1")
     args = ap.parse_args(argv)
@@ -225,6 +262,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         ap.error("unset TRITON_INTERPRET: the interpreter compiles nothing")
     if not available():
         ap.error("this Triton has no NVIDIA backend tools (ptxas, cuobjdump) to compile with")
+    if args.all:
+        raise SystemExit(0 if compile_all(args.arch) else 1)
     rows = []
     for shape, (d, group) in SHAPES.items():
         for kind, turning, anchors in (("tq", True, True), ("tq", False, False), ("int8", False, False)):

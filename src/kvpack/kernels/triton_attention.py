@@ -598,7 +598,9 @@ class _Plan:
         # measured in. In the sm_90 code Triton compiles (`kvpack.bench.kernel_code`), the pair path's loop holds 120
         # registers against 255 and takes 0.26 warp instructions per code against 0.38 at d = 128 (0.32 against the
         # select chain's 0.77 at d = 64); not yet timed on a GPU (docs/guide/gpu.md).
-        self.pairs = self.words = kernel == "tq"
+        # Up to 32 query rows a program: Triton 3.6 fails to compile the pair tile as the operand of a 64-row
+        # (warpgroup) dot ("Illegal shared layout"; 3.9 compiles it), so longer query blocks gather single centroids.
+        self.pairs = self.words = kernel == "tq" and self.block_r <= 32
         self.num_stages: int | None = 1 if kernel == "tq" else None
         self.num_warps = 4 if width <= 128 else 8
         self.row_blocks = triton.cdiv(r, self.block_r)
@@ -872,9 +874,14 @@ def exact_merge(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
     block_d, block_dv = max(16, triton.next_power_of_2(d)), max(16, triton.next_power_of_2(dv))
     block_r = min(64, max(16, triton.next_power_of_2(r)))
     precision = "tf32x3" if q.device.type == "cuda" and torch.version.hip is None else "ieee"
-    _exact_merge_kernel[(b * h, triton.cdiv(r, block_r))](
-        q, *_strides(q), k, *_strides(k), v, *_strides(v), pm, pl, po, len(m), n, out, h, r, k.shape[2], float(scale),
-        D=d, DV=dv, BLOCK_R=block_r, BLOCK_T=32 if max(block_d, block_dv) <= 128 else 16, BLOCK_D=block_d, BLOCK_DV=block_dv,
-        PRECISION=precision, num_warps=4,
-    )
+    launch(_exact_merge_kernel, (b * h, triton.cdiv(r, block_r)),
+           q, *_strides(q), k, *_strides(k), v, *_strides(v), pm, pl, po, len(m), n, out, h, r, k.shape[2], float(scale),
+           D=d, DV=dv, BLOCK_R=block_r, BLOCK_T=32 if max(block_d, block_dv) <= 128 else 16, BLOCK_D=block_d, BLOCK_DV=block_dv,
+           PRECISION=precision, num_warps=4)
     return out
+
+
+def launch(kernel, grid: tuple, *args, **kwargs) -> None:
+    """`kernel[grid](*args, **kwargs)`: the launch of kernels without a `_Plan` (`kvpack.bench.kernel_code` compiles
+    them for a GPU it does not have by standing in here)."""
+    kernel[grid](*args, **kwargs)
