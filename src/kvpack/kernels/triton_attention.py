@@ -226,6 +226,21 @@ def _turning_scores(coef_a, coef_b, rate, pos, cos_j, sin_j, PRECISION: tl.const
 
 
 @triton.jit
+def _program_rows(q_ptr, sq_b, sq_h, sq_r, H, R, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+                  BLOCK_DV: tl.constexpr):
+    """A program's (batch·kv head, row block): `pid_bh, b, h`, its query rows and their mask, the key and value channel
+    ranges, and its query rows `(BR, BD)` float32 (padded rows and channels 0)."""
+    pid_bh = tl.program_id(0).to(tl.int64)
+    b, h = pid_bh // H, pid_bh % H
+    rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < R
+    dk = tl.arange(0, BLOCK_D)
+    q = tl.load(q_ptr + b * sq_b + h * sq_h + rows[:, None] * sq_r + dk[None, :], mask=row_ok[:, None] & (dk[None, :] < D),
+                other=0.0).to(tl.float32)
+    return pid_bh, b, h, rows, row_ok, dk, tl.arange(0, BLOCK_DV), q
+
+
+@triton.jit
 def _softmax_step(s, m_i):
     """New running max, the rescale factor of the old sums, and p = exp(s - max) for one tile."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -265,14 +280,7 @@ def _tq_attention_kernel(
     HAS_TURN: tl.constexpr, BLOCK_M: tl.constexpr, KSTATE: tl.constexpr, VSTATE: tl.constexpr,
     KPAIRS: tl.constexpr = False, VPAIRS: tl.constexpr = False, KWORDS: tl.constexpr = False, VWORDS: tl.constexpr = False,
 ):
-    pid_bh = tl.program_id(0).to(tl.int64)
-    b, h = pid_bh // H, pid_bh % H
-    rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
-    row_ok = rows < R
-    dk = tl.arange(0, BLOCK_D)
-    dv = tl.arange(0, BLOCK_DV)
-    q = tl.load(q_ptr + b * sq_b + h * sq_h + rows[:, None] * sq_r + dk[None, :],
-                mask=row_ok[:, None] & (dk[None, :] < D), other=0.0).to(tl.float32)  # (BR, BD)
+    pid_bh, b, h, rows, row_ok, dk, dv, q = _program_rows(q_ptr, sq_b, sq_h, sq_r, H, R, D, BLOCK_R, BLOCK_D, BLOCK_DV)  # q (BR, BD)
     if F16:
         q16, q_amax = _scaled_fp16(q)
     if HAS_OFFSET:
@@ -354,14 +362,7 @@ def _int8_attention_kernel(
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, FINAL: tl.constexpr, PRECISION: tl.constexpr,
     F16: tl.constexpr,
 ):
-    pid_bh = tl.program_id(0).to(tl.int64)
-    b, h = pid_bh // H, pid_bh % H
-    rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
-    row_ok = rows < R
-    dk = tl.arange(0, BLOCK_D)
-    dv = tl.arange(0, BLOCK_DV)
-    q = tl.load(q_ptr + b * sq_b + h * sq_h + rows[:, None] * sq_r + dk[None, :],
-                mask=row_ok[:, None] & (dk[None, :] < D), other=0.0).to(tl.float32)
+    pid_bh, b, h, rows, row_ok, dk, dv, q = _program_rows(q_ptr, sq_b, sq_h, sq_r, H, R, D, BLOCK_R, BLOCK_D, BLOCK_DV)  # q (BR, BD)
     if F16:
         q16, q_amax = _scaled_fp16(q)
     kc = kc_ptr + b * skc_b + h * skc_h
@@ -409,14 +410,7 @@ def _kivi_attention_kernel(
     BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, FINAL: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    pid_bh = tl.program_id(0).to(tl.int64)
-    b, h = pid_bh // H, pid_bh % H
-    rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
-    row_ok = rows < R
-    dk = tl.arange(0, BLOCK_D)
-    dv = tl.arange(0, BLOCK_DV)
-    q = tl.load(q_ptr + b * sq_b + h * sq_h + rows[:, None] * sq_r + dk[None, :],
-                mask=row_ok[:, None] & (dk[None, :] < D), other=0.0).to(tl.float32)
+    pid_bh, b, h, rows, row_ok, dk, dv, q = _program_rows(q_ptr, sq_b, sq_h, sq_r, H, R, D, BLOCK_R, BLOCK_D, BLOCK_DV)  # q (BR, BD)
     kc = kc_ptr + b * skc_b + h * skc_h
     k_meta = b * sks_b + h * sks_h
     vc = vc_ptr + b * svc_b + h * svc_h
@@ -486,14 +480,7 @@ def _exact_merge_kernel(
     """A decode step's last stage in one program per (batch·kv head, row block): the online softmax over the E
     uncompressed rows (sinks, window, anchors), then its log-sum-exp merge with the P segment partials
     `pm, pl (P, N)`, `po (P, N, DV)`, N = B·H·R, into the normalized output (N, DV) (`reference.exact_merge`)."""
-    pid_bh = tl.program_id(0).to(tl.int64)
-    b, h = pid_bh // H, pid_bh % H
-    rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
-    row_ok = rows < R
-    dk = tl.arange(0, BLOCK_D)
-    dv = tl.arange(0, BLOCK_DV)
-    q = tl.load(q_ptr + b * sq_b + h * sq_h + rows[:, None] * sq_r + dk[None, :], mask=row_ok[:, None] & (dk[None, :] < D),
-                other=0.0).to(tl.float32)
+    pid_bh, b, h, rows, row_ok, dk, dv, q = _program_rows(q_ptr, sq_b, sq_h, sq_r, H, R, D, BLOCK_R, BLOCK_D, BLOCK_DV)  # q (BR, BD)
     m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_R], tl.float32)
     acc = tl.zeros([BLOCK_R, BLOCK_DV], tl.float32)
