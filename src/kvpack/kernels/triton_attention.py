@@ -110,7 +110,7 @@ def _pair_values(row_ptrs, units, mask, pair_ptr, BITS: tl.constexpr, BLOCK_T: t
     if WORDS:
         word = tl.load(row_ptrs.to(tl.pointer_type(tl.int32)) + units, mask=mask, other=0)
     else:
-        word = tl.zeros(units.shape, tl.int32) + tl.zeros([BLOCK_T, 1], tl.int32)
+        word = tl.zeros([BLOCK_T, units.shape[1]], tl.int32)
         for i in tl.static_range(BITS):
             byte = tl.load(row_ptrs + units * BITS + i, mask=mask, other=0)
             word = word | (byte.to(tl.int32) << (8 * i))
