@@ -37,7 +37,7 @@ def test_block_run_appends_without_copying_earlier_blocks_and_truncates_by_offse
     assert run.length == 20 * 64 and run.blocks == [64 * i for i in range(20)]
     assert torch.equal(run.view().codes, torch.cat([b.codes for b in blocks], dim=2))
     live = sum(b.nbytes() for b in blocks)
-    assert live <= run.nbytes() <= live * 9 / 8 + blocks[0].nbytes()  # slack under an eighth plus a block
+    assert live <= run.nbytes() <= live * 33 / 32 + blocks[0].nbytes()  # slack under a 32nd plus a block
     before = run.view().codes[:, :, :300].clone()
     run.truncate(300)
     assert run.length == 300 and torch.equal(run.view().codes, before)

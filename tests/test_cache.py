@@ -296,7 +296,7 @@ def test_memory_report_matches_hand_count():
         layer.flush()
         expect_window = 64 + step + 1 if step < 63 else 64
         assert layer.memory()["window"] == 2 * b * hk * expect_window * d * 2
-    # The run grows into spare capacity (an eighth of its tokens, at least a block), which is held memory.
+    # The run grows into spare capacity (a 32nd of its tokens, at least a block), which is held memory.
     live = 2 * b * hk * 296 * (d + 2)
     held = layer.memory()["stream:int8/int8"]
     assert held == sum(t.numel() * t.element_size() for seg in layer.segments for run in (seg.key_run, seg.value_run) for t in run._bufs.values())
