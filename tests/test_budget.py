@@ -11,9 +11,10 @@ import torch
 from transformers import DynamicCache
 
 import kvpack
-from kvpack.cache.budget import BudgetError, PromptTarget
+from kvpack.cache.budget import BudgetError, BudgetSplit, PromptTarget
 from kvpack.cache.serialize import save_cache
 from kvpack.models import tiny_random_model
+from kvpack.registry import LayerCodecs, get_method
 
 PROMPT = 400
 
@@ -62,10 +63,10 @@ def test_budget_is_never_exceeded_and_every_move_is_logged(tiny, method, caplog)
     cache = kvpack.KVCache(tiny, method, budget=budget)
     with caplog.at_level(logging.INFO, logger="kvpack.budget"):
         out, seen = _generate_checking(tiny, cache, _ids(), 128)
-    share = limit // len(cache.compressed_layers())
-    assert len(seen) == 128 and all(b <= share for step in seen for b in step)
+    assert len(seen) == 128 and all(sum(step) <= limit for step in seen)
     evictions = [e for e in cache.budget_events if e.action == "evict"]
-    assert evictions and all(e.bytes_after <= e.limit == share for e in cache.budget_events)
+    assert evictions and all(e.bytes_after <= e.limit for e in cache.budget_events)
+    assert sum(layer.budget.limit for layer in cache.compressed_layers()) <= limit
     assert len(caplog.records) == len(cache.budget_events)
     for layer in cache.compressed_layers():  # the log accounts for every evicted token, which follow the sinks
         assert layer.evicted_tokens == sum(e.tokens for e in evictions if e.layer == layer.layer_idx) > 0
@@ -77,6 +78,41 @@ def test_budget_is_never_exceeded_and_every_move_is_logged(tiny, method, caplog)
     assert report["evicted_tokens"] == max(layer.evicted_tokens for layer in cache.compressed_layers())
 
 
+def test_shares_follow_each_layers_measured_need_and_never_sum_past_the_budget():
+    split = BudgetSplit(1000, (0, 3, 5))
+    assert split.limits == {0: 333, 3: 333, 5: 333}  # nothing measured: even
+    assert split.assign(3, None) == 333
+    assert split.assign(0, 100.0) == 333  # the others counted at the mean of those measured: even still
+    # Layer 3 needs 3x layer 0 (layer 5 not measured: the mean, 200): its target 1000 * 300 / 600 = 500 takes only the room
+    # the others' shares leave (1000 - 333 - 333), so the shares never pass the budget while they move.
+    assert split.assign(3, 300.0) == 334
+    assert split.assign(5, 100.0) == 200  # 1000 * 100 / 500
+    assert split.assign(0, 100.0) == 200 and split.assign(3, 300.0) == 600  # settled: in proportion to the needs
+    assert sum(split.limits.values()) <= 1000
+
+
+@torch.no_grad()
+def test_a_costlier_layer_gets_a_larger_share_so_layers_evict_the_same_tokens(tiny):
+    # Layer 0 in int8 (132 B per token and kv head), layer 1 in 2-bit TurboQuant (36 B): an even split would make
+    # layer 0 evict most of its tokens while layer 1 kept all of them. Shares in proportion to what every token costs
+    # each layer evict the same tokens from both, whole blocks apart at most.
+    method = get_method("int8")
+    method = method.__class__(**{**vars(method), "layer_codecs": (LayerCodecs((1,), get_method("turboquant:k2v2").key,
+                                                                               get_method("turboquant:k2v2").value),)})
+    unlimited = kvpack.KVCache(tiny, method)
+    _generate_checking(tiny, unlimited, _ids(), 64)
+    budget = _binding(unlimited, 0.5)
+    cache = kvpack.KVCache(tiny, method, budget=budget)
+    _, seen = _generate_checking(tiny, cache, _ids(), 64)
+    assert all(sum(step) <= budget.max_bytes for step in seen)
+    layers = cache.compressed_layers()
+    evicted = [layer.evicted_tokens for layer in layers]
+    assert min(evicted) > 0 and max(evicted) - min(evicted) <= 2 * method.block_size, evicted
+    split = layers[0].budget.split
+    assert layers[0].budget.limit > layers[1].budget.limit  # in proportion to the needs (which count the exact parts too)
+    assert layers[0].budget.limit / layers[1].budget.limit == pytest.approx(split.need[0] / split.need[1], rel=0.01)
+
+
 def test_tiers_are_compressed_further_before_anything_is_evicted(tiny):
     unlimited = kvpack.KVCache(tiny, "tiered:512")
     _generate_checking(tiny, unlimited, _ids(1200), 64)
@@ -85,7 +121,7 @@ def test_tiers_are_compressed_further_before_anything_is_evicted(tiny):
     cache = kvpack.KVCache(tiny, "tiered:512", budget=budget)
     _, seen = _generate_checking(tiny, cache, _ids(1200), 64)
     actions = [e.action for e in cache.budget_events]
-    assert "demote" in actions and all(b <= limit // 2 for step in seen for b in step)
+    assert "demote" in actions and all(sum(step) <= limit for step in seen)
     assert "evict" not in actions[: actions.index("demote") + 1]
     assert any(seg.kind == "tier1" and seg.start + seg.length > cache.get_seq_length() - 512 for seg in cache.layers[0].segments)
 
@@ -222,7 +258,7 @@ def test_crop_into_the_evicted_range_then_generate(tiny):
     assert out.shape[1] == start + n // 2 + 1 + 8
 
 
-def test_budget_bench_reports_the_peak_against_the_share(tmp_path):
+def test_budget_bench_reports_the_peak_against_the_budget(tmp_path):
     from kvpack.bench import budget as bench
 
     out = tmp_path / "b.json"
@@ -233,7 +269,8 @@ def test_budget_bench_reports_the_peak_against_the_share(tmp_path):
     data = json.loads(out.read_text())
     base, row = data["rows"]
     assert base["max_bytes"] is None and base["evicted_tokens"] == 0
-    assert row["peak_layer_bytes"] <= row["layer_share"] and row["evicted_tokens"] > 0 and row["rematerialize_s"] > 0
+    assert row["peak_bytes"] <= row["max_bytes"] and sum(row["layer_shares"]) <= row["max_bytes"]
+    assert row["evicted_tokens"] > 0 and row["rematerialize_s"] > 0
     assert data["environment"]["command"].startswith("python -m kvpack.bench.budget")
 
 

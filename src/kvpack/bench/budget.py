@@ -35,13 +35,13 @@ PROG = "python -m kvpack.bench.budget"
 def _run(model, ids, method: str, budget, args) -> dict:
     cache = kvpack.KVCache(model, method, budget=budget)
     peak = [0]
-    hook = model.register_forward_hook(lambda *_: peak.__setitem__(0, max([peak[0], *(layer.nbytes() for layer in cache.compressed_layers())])))
+    hook = model.register_forward_hook(lambda *_: peak.__setitem__(0, max(peak[0], sum(layer.nbytes() for layer in cache.compressed_layers()))))
     try:
         result = perplexity(model, ids, cache, prefix=args.context, chunk=args.chunk, n_score=args.ppl_tokens, progress=False)
     finally:
         hook.remove()
-    row = {"method": method, "max_bytes": budget.max_bytes if budget else None, "ppl": result.ppl, "peak_layer_bytes": peak[0],
-           "layer_share": cache.compressed_layers()[0].budget.limit if budget else None, "held_bytes": cache.memory_report()["total_bytes"],
+    row = {"method": method, "max_bytes": budget.max_bytes if budget else None, "ppl": result.ppl, "peak_bytes": peak[0],
+           "layer_shares": [layer.budget.limit for layer in cache.compressed_layers()] if budget else None, "held_bytes": cache.memory_report()["total_bytes"],
            "evicted_tokens": cache.memory_report()["evicted_tokens"], "events": {}}
     for e in cache.budget_events:
         row["events"][e.action] = row["events"].get(e.action, 0) + 1
@@ -83,8 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         row["ppl_delta_pct"] = 100.0 * (result.ppl / base_ppl.ppl - 1)  # against the same method without a budget
         row["ppl_delta_ci"] = list(ppl_delta_ci(result.token_nll, base_ppl.token_nll))
         rows.append(row)
-        print(f"  budget {fraction:.2f}: ppl {row['ppl']:.3f} ({row['ppl_delta_pct']:+.2f}%), peak layer {row['peak_layer_bytes']:,} of "
-              f"{row['layer_share']:,}, evicted {row['evicted_tokens']} tokens, rematerialized in {row.get('rematerialize_s', 0):.2f} s", flush=True)
+        print(f"  budget {fraction:.2f}: ppl {row['ppl']:.3f} ({row['ppl_delta_pct']:+.2f}%), peak {row['peak_bytes']:,} of "
+              f"{row['max_bytes']:,} bytes, evicted {row['evicted_tokens']} tokens, rematerialized in {row.get('rematerialize_s', 0):.2f} s", flush=True)
     out = {"environment": environment(PROG), "model": args.model, "context": args.context, "ppl_tokens": args.ppl_tokens,
            "chunk": args.chunk, "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

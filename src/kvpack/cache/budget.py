@@ -1,9 +1,14 @@
 """A byte budget for a kvpack cache (ADR-004): compress further, then evict the oldest blocks; rematerialize on demand.
 
-`KVCache(model, method, budget=MemoryBudget(max_bytes))` splits the budget evenly over the cache's compressed
-layers (they hold one method on tokens of one shape). After every forward each of those layers holds at most
-its share, counted as `KVPackLayer.memory()` counts: every tensor it holds, capacity slack and codec state
-included. A layer over its share, in this order:
+`KVCache(model, method, budget=MemoryBudget(max_bytes))` splits the budget over the cache's compressed layers
+(`BudgetSplit`): each layer's share follows what it would hold with every compressed token at its oldest tier's
+cost per token, measured (evenly until the layers have measured it). Layers hold the same tokens but not the same
+bytes per token (an archive fitted per layer keeps a different key rank in each; widths placed per layer differ), so
+an even split would make the costlier layers evict while others still held warm blocks; in proportion, every layer
+runs out of blocks to demote at about the same time, and eviction stays the last step for the cache as a whole.
+After every forward each layer holds at most its share, counted as `KVPackLayer.memory()` counts: every tensor it
+holds, capacity slack and codec state included, and the shares never sum to more than the budget. A layer over its
+share, in this order:
 
 0. frees its block runs' spare capacity (growth slack: a copy, no token moves);
 1. **compresses further** (`compress_first`, methods with tiers): moves its oldest warm block into its oldest
@@ -68,13 +73,68 @@ class BudgetError(ValueError):
 
 
 @dataclass
+class BudgetSplit:
+    """A cache's budget over its compressed layers, shared by their `LayerShare`s.
+
+    `need[i]`: the bytes layer i would hold with every compressed token at its oldest tier's cost per token
+    (`oldest_tier_need`), as the layer last measured it after a flush. A layer's target is the
+    budget times its need over the sum of needs, a layer not yet measured counted at the mean of those measured (all
+    even until one is). `limits` are the shares in force; a layer takes its target only as far as the others' shares
+    leave room, so the shares never sum to more than `max_bytes` while the needs move (the next forward evens it out).
+    """
+
+    max_bytes: int
+    order: tuple[int, ...]  # indices of the cache's compressed layers
+    need: dict[int, float] = field(default_factory=dict)
+    limits: dict[int, int] = field(default_factory=dict)
+
+    def __post_init__(self):
+        even = self.max_bytes // len(self.order)
+        self.limits = {i: even for i in self.order}
+
+    def assign(self, layer: int, need: float | None) -> int:
+        """Record layer `layer`'s need (None: not measurable yet) and return its share from now on."""
+        if need is not None:
+            self.need[layer] = float(need)
+        if not self.need:
+            return self.limits[layer]
+        mean = sum(self.need.values()) / len(self.need)
+        needs = {i: self.need.get(i, mean) for i in self.order}
+        target = int(self.max_bytes * needs[layer] / max(sum(needs.values()), 1e-9))
+        room = self.max_bytes - sum(v for i, v in self.limits.items() if i != layer)
+        self.limits[layer] = min(target, room)
+        return self.limits[layer]
+
+
+def oldest_tier_need(layer) -> float | None:
+    """Bytes `layer` would hold with every compressed token it was given, the evicted ones included, at its oldest
+    tier's cost per token (live bytes of that tier's runs over their tokens, spare capacity not counted), beside its
+    exact part and codec state: what a layer needs once a budget has demoted all it can, and a measure that neither a
+    demotion nor an eviction moves (a share that shrank with each eviction would make the layer that evicted first
+    evict ever more). The oldest tier of a method without tiers is its compressed segments. None while that tier
+    holds nothing (its cost is not known yet)."""
+    tiers = len(layer.method.tiers)
+    oldest = [seg for seg in layer.segments if (not tiers or seg.kind == f"tier{tiers}") and seg.length]
+    if not oldest:
+        return None
+    runs = [run for seg in oldest for run in (seg.key_run, seg.value_run)]
+    per_token = sum(run.nbytes() * run.length / max(run.capacity, 1) for run in runs) / sum(seg.length for seg in oldest)
+    fixed = layer.nbytes() - sum(seg.nbytes() for seg in layer.segments)  # sinks, window, anchors, codec state
+    tokens = sum(seg.length for seg in layer.segments) + layer.evicted_tokens
+    return fixed + per_token * tokens
+
+
+@dataclass
 class LayerShare:
-    """One layer's part of a cache's budget; `log` is the cache's event list, shared by its layers."""
+    """One layer's part of a cache's budget; `log` is the cache's event list, shared by its layers, and `split` the
+    cache's `BudgetSplit`, which moves `limit` after each of the layer's flushes (None: `limit` stays as set)."""
 
     limit: int
     compress_first: bool
     layers: int  # compressed layers sharing the budget
     log: list[BudgetEvent] = field(default_factory=list)
+    split: BudgetSplit | None = None
+    index: int = 0  # the layer's index in the model (its key in `split`)
 
     def record(self, event: BudgetEvent) -> None:
         self.log.append(event)
@@ -151,6 +211,8 @@ class BudgetPolicy(PlacementPolicy):
 def enforce(layer) -> None:
     """Bring `layer` within its share after a flush: demote warm blocks (if allowed), then evict the oldest."""
     share = layer.budget
+    if share.split is not None:
+        share.limit = share.split.assign(share.index, oldest_tier_need(layer))
     held = layer.nbytes()
     while held > share.limit:
         freed = sum(seg.compact() for seg in layer.segments)  # spare capacity goes first: a copy, not accuracy

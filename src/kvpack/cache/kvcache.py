@@ -16,7 +16,7 @@ from ..primitives.validation import DEBUG
 from ..registry import BUDGET_ONLY, DEFAULT_METHOD, CodecSpec, MethodConfig, apply_suffixes, get_method, split_suffixes
 from ..support import layer_kinds, rope_per_layer, rotary_from_config, text_config
 from . import prompt_widths, serialize
-from .budget import BudgetEvent, LayerShare, MemoryBudget, PromptTarget, rematerialize
+from .budget import BudgetEvent, BudgetSplit, LayerShare, MemoryBudget, PromptTarget, rematerialize
 from .layer import PENDING, KVPackLayer, deepcopy_sharing
 from .placement import Placement, PlacementPolicy
 from .policies import build_placement
@@ -283,10 +283,12 @@ class KVCache(Cache):
             raise TypeError(f"budget must be a kvpack.MemoryBudget or None, got {type(budget).__name__}")
         self.budget = budget
         layers = self.compressed_layers()
+        split = BudgetSplit(budget.max_bytes, tuple(layer.layer_idx for layer in layers)) if budget is not None else None
         for layer in layers:
             vars(layer).pop("budget", None)  # layers without a budget keep the class default
-            if budget is not None:
-                layer.budget = LayerShare(budget.max_bytes // len(layers), budget.compress_first, len(layers), self.budget_events)
+            if split is not None:
+                layer.budget = LayerShare(split.limits[layer.layer_idx], budget.compress_first, len(layers), self.budget_events,
+                                          split, layer.layer_idx)
 
     def rematerialize(self, model) -> int:
         """Recompute the evicted tokens' K/V with `model` and store them again (all or nothing); returns the tokens
