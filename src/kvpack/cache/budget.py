@@ -106,20 +106,20 @@ class BudgetSplit:
         return self.limits[layer]
 
 
-def oldest_tier_need(layer) -> float | None:
+def oldest_tier_need(layer, held: int) -> float | None:
     """Bytes `layer` would hold with every compressed token it was given, the evicted ones included, at its oldest
     tier's cost per token (live bytes of that tier's runs over their tokens, spare capacity not counted), beside its
     exact part and codec state: what a layer needs once a budget has demoted all it can, and a measure that neither a
     demotion nor an eviction moves (a share that shrank with each eviction would make the layer that evicted first
-    evict ever more). The oldest tier of a method without tiers is its compressed segments. None while that tier
-    holds nothing (its cost is not known yet)."""
+    evict ever more). The oldest tier of a method without tiers is its compressed segments. `held`: the layer's
+    `nbytes()`. None while that tier holds nothing (its cost is not known yet)."""
     tiers = len(layer.method.tiers)
     oldest = [seg for seg in layer.segments if (not tiers or seg.kind == f"tier{tiers}") and seg.length]
     if not oldest:
         return None
     runs = [run for seg in oldest for run in (seg.key_run, seg.value_run)]
     per_token = sum(run.nbytes() * run.length / max(run.capacity, 1) for run in runs) / sum(seg.length for seg in oldest)
-    fixed = layer.nbytes() - sum(seg.nbytes() for seg in layer.segments)  # sinks, window, anchors, codec state
+    fixed = held - sum(seg.nbytes() for seg in layer.segments)  # sinks, window, anchors, codec state
     tokens = sum(seg.length for seg in layer.segments) + layer.evicted_tokens
     return fixed + per_token * tokens
 
@@ -211,9 +211,9 @@ class BudgetPolicy(PlacementPolicy):
 def enforce(layer) -> None:
     """Bring `layer` within its share after a flush: demote warm blocks (if allowed), then evict the oldest."""
     share = layer.budget
-    if share.split is not None:
-        share.limit = share.split.assign(share.index, oldest_tier_need(layer))
     held = layer.nbytes()
+    if share.split is not None:
+        share.limit = share.split.assign(share.index, oldest_tier_need(layer, held))
     while held > share.limit:
         freed = sum(seg.compact() for seg in layer.segments)  # spare capacity goes first: a copy, not accuracy
         if freed:
