@@ -219,7 +219,15 @@ def enforce(layer) -> None:
         if freed:
             held -= freed
             continue
-        event = (share.compress_first and _demote_oldest_block(layer, share)) or _evict_oldest(layer, held - share.limit, share)
+        event = share.compress_first and _demote_oldest_block(layer, share)
+        if not event and share.split is not None:
+            # Its demotions may have just made its oldest tier, whose cost its share did not know: measure again
+            # before evicting (no lending between layers: a layer without tiers can only evict, so a loan would
+            # move evictions to the lender, not save them).
+            share.limit = share.split.assign(share.index, oldest_tier_need(layer, held))
+            if held <= share.limit:
+                continue
+        event = event or _evict_oldest(layer, held - share.limit, share)
         if event is None:
             raise BudgetError(
                 f"layer {layer.layer_idx} holds {held:,} bytes with nothing left to evict (its share is {share.limit:,}): "
