@@ -4,8 +4,9 @@
 (`BudgetSplit`): each layer's share follows what it would hold with every compressed token at its oldest tier's
 cost per token, measured (evenly until the layers have measured it). Layers hold the same tokens but not the same
 bytes per token (an archive fitted per layer keeps a different key rank in each; widths placed per layer differ), so
-an even split would make the costlier layers evict while others still held warm blocks; in proportion, every layer
-runs out of blocks to demote at about the same time, and eviction stays the last step for the cache as a whole.
+an even split would make the costlier layers evict while others still held warm blocks; in proportion, the layers
+run out of blocks to demote at about the same time once their needs are measured (in the forward that first fills the
+cache, a layer meets the shares that the layers before it took before its cost was known).
 After every forward each layer holds at most its share, counted as `KVPackLayer.memory()` counts: every tensor it
 holds, capacity slack and codec state included, and the shares never sum to more than the budget. A layer over its
 share, in this order:
@@ -86,7 +87,7 @@ class BudgetSplit:
     max_bytes: int
     order: tuple[int, ...]  # indices of the cache's compressed layers
     need: dict[int, float] = field(default_factory=dict)
-    limits: dict[int, int] = field(default_factory=dict)
+    limits: dict[int, int] = field(init=False)
 
     def __post_init__(self):
         even = self.max_bytes // len(self.order)

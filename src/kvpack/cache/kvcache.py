@@ -283,7 +283,7 @@ class KVCache(Cache):
             raise TypeError(f"budget must be a kvpack.MemoryBudget or None, got {type(budget).__name__}")
         self.budget = budget
         layers = self.compressed_layers()
-        split = BudgetSplit(budget.max_bytes, tuple(layer.layer_idx for layer in layers)) if budget is not None else None
+        split = BudgetSplit(budget.max_bytes, tuple(layer.layer_idx for layer in layers)) if budget is not None and layers else None
         for layer in layers:
             vars(layer).pop("budget", None)  # layers without a budget keep the class default
             if split is not None:
