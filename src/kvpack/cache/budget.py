@@ -127,15 +127,18 @@ def oldest_tier_need(layer, held: int) -> float | None:
 
 @dataclass
 class LayerShare:
-    """One layer's part of a cache's budget; `log` is the cache's event list, shared by its layers, and `split` the
-    cache's `BudgetSplit`, which moves `limit` after each of the layer's flushes (None: `limit` stays as set)."""
+    """One layer's part of a cache's budget: `split` is the cache's `BudgetSplit`, which holds the layer's share
+    (`limit`) and moves it after each of the layer's flushes; `log` is the cache's event list, shared by its layers."""
 
-    limit: int
+    split: BudgetSplit
+    index: int  # the layer's index in the model (its key in `split`)
     compress_first: bool
     layers: int  # compressed layers sharing the budget
     log: list[BudgetEvent] = field(default_factory=list)
-    split: BudgetSplit | None = None
-    index: int = 0  # the layer's index in the model (its key in `split`)
+
+    @property
+    def limit(self) -> int:
+        return self.split.limits[self.index]
 
     def record(self, event: BudgetEvent) -> None:
         self.log.append(event)
@@ -213,20 +216,18 @@ def enforce(layer) -> None:
     """Bring `layer` within its share after a flush: demote warm blocks (if allowed), then evict the oldest."""
     share = layer.budget
     held = layer.nbytes()
-    if share.split is not None:
-        share.limit = share.split.assign(share.index, oldest_tier_need(layer, held))
+    share.split.assign(share.index, oldest_tier_need(layer, held))
     while held > share.limit:
         freed = sum(seg.compact() for seg in layer.segments)  # spare capacity goes first: a copy, not accuracy
         if freed:
             held -= freed
             continue
         event = share.compress_first and _demote_oldest_block(layer, share)
-        if not event and share.split is not None:
+        if not event:
             # Its demotions may have just made its oldest tier, whose cost its share did not know: measure again
             # before evicting (no lending between layers: a layer without tiers can only evict, so a loan would
             # move evictions to the lender, not save them).
-            share.limit = share.split.assign(share.index, oldest_tier_need(layer, held))
-            if held <= share.limit:
+            if held <= share.split.assign(share.index, oldest_tier_need(layer, held)):
                 continue
         event = event or _evict_oldest(layer, held - share.limit, share)
         if event is None:

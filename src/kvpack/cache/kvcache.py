@@ -287,8 +287,7 @@ class KVCache(Cache):
         for layer in layers:
             vars(layer).pop("budget", None)  # layers without a budget keep the class default
             if split is not None:
-                layer.budget = LayerShare(split.limits[layer.layer_idx], budget.compress_first, len(layers), self.budget_events,
-                                          split, layer.layer_idx)
+                layer.budget = LayerShare(split, layer.layer_idx, budget.compress_first, len(layers), self.budget_events)
 
     def rematerialize(self, model) -> int:
         """Recompute the evicted tokens' K/V with `model` and store them again (all or nothing); returns the tokens
