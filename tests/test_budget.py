@@ -11,10 +11,11 @@ import torch
 from transformers import DynamicCache
 
 import kvpack
+from kvpack import Tier
 from kvpack.cache.budget import BudgetError, BudgetSplit, PromptTarget
 from kvpack.cache.serialize import save_cache
 from kvpack.models import tiny_random_model
-from kvpack.registry import LayerCodecs, get_method
+from kvpack.registry import BUDGET_ONLY, LayerCodecs, get_method
 
 PROMPT = 400
 
@@ -111,6 +112,34 @@ def test_a_costlier_layer_gets_a_larger_share_so_layers_evict_the_same_tokens(ti
     split = layers[0].budget.split
     assert layers[0].budget.limit > layers[1].budget.limit  # in proportion to the needs (which count the exact parts too)
     assert layers[0].budget.limit / layers[1].budget.limit == pytest.approx(split.need[0] / split.need[1], rel=0.01)
+
+
+@torch.no_grad()
+def test_layers_that_took_their_share_first_compress_before_a_costlier_layer_evicts(tiny):
+    # In the forward that first fills a budgeted cache a layer's need is known only once its archive holds tokens, so
+    # layer 0 takes half the budget and keeps warm blocks in it. Layer 1's archive costs more per token (4-bit codes
+    # where layer 0's are 3/2-bit, as Shard archives keep different key ranks per layer): it needs more than half, and
+    # it fits only if layer 0 archives its warm blocks. A budget of exactly what both hold fully archived: layer 0
+    # compresses first, nothing is evicted (taking the half share instead, layer 1 evicted 256 of its 1,500 tokens).
+    method = get_method("tiered:budget:tq")
+    k4v4 = get_method("turboquant:k4v4")
+    costly = method.with_options(tiers=(Tier(k4v4.key, k4v4.value, BUDGET_ONLY),))
+
+    def cache_with(budget: kvpack.MemoryBudget | None, after: int = BUDGET_ONLY) -> kvpack.KVCache:
+        cache = kvpack.KVCache(tiny, method.with_options(tiers=(Tier(method.tiers[0].key, method.tiers[0].value, after),)), budget=budget)
+        cache.layers[1].method = costly.with_options(tiers=(Tier(k4v4.key, k4v4.value, after),))
+        return cache
+
+    archived = cache_with(None, after=128)  # every token older than the window and a block in its archive
+    tiny(_ids(1500), past_key_values=archived, use_cache=True)
+    budget = kvpack.MemoryBudget(sum(_held(archived)))
+    cache = cache_with(budget)
+    tiny(_ids(1500), past_key_values=cache, use_cache=True)
+    assert sum(_held(cache)) <= budget.max_bytes
+    assert [layer.evicted_tokens for layer in cache.compressed_layers()] == [0, 0]
+    split = cache.layers[0].budget.split
+    assert split.limits[1] > budget.max_bytes // 2 > split.limits[0]  # layer 1's share grew as layer 0's fell
+    assert {e.action for e in cache.budget_events if e.layer == 0} == {"demote"}
 
 
 def test_tiers_are_compressed_further_before_anything_is_evicted(tiny):

@@ -5,15 +5,17 @@
 cost per token, measured (evenly until the layers have measured it). Layers hold the same tokens but not the same
 bytes per token (an archive fitted per layer keeps a different key rank in each; widths placed per layer differ), so
 an even split would make the costlier layers evict while others still held warm blocks; in proportion, the layers
-run out of blocks to demote at about the same time once their needs are measured (in the forward that first fills the
-cache, a layer meets the shares that the layers before it took before its cost was known).
+run out of blocks to demote at about the same time once their needs are measured. In the forward that first fills the
+cache a layer's need is known only once its oldest tier holds tokens, so the layers before a costlier one have taken
+shares it needs: before it evicts, those layers compress their warm blocks down to their targets (`reclaim`).
 After every forward each layer holds at most its share, counted as `KVPackLayer.memory()` counts: every tensor it
 holds, capacity slack and codec state included, and the shares never sum to more than the budget. A layer over its
 share, in this order:
 
 0. frees its block runs' spare capacity (growth slack: a copy, no token moves);
 1. **compresses further** (`compress_first`, methods with tiers): moves its oldest warm block into its oldest
-   tier now instead of when the block ages past the boundary;
+   tier now instead of when the block ages past the boundary; with none left, has the layers before it that hold
+   more than their target do the same (`reclaim`);
 2. **evicts** its oldest compressed tokens, right after the sinks, in whole blocks. Evicted tokens leave
    attention (sinks and everything newer stay, as in StreamingLLM) but keep their positions, and their
    token ids stay with the cache.
@@ -88,20 +90,34 @@ class BudgetSplit:
     order: tuple[int, ...]  # indices of the cache's compressed layers
     need: dict[int, float] = field(default_factory=dict)
     limits: dict[int, int] = field(init=False)
+    # The layers themselves, by index (set by `KVCache.set_budget`): a layer about to evict asks the layers before it
+    # that hold more than their target to demote first (`reclaim`).
+    members: dict[int, object] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self):
         even = self.max_bytes // len(self.order)
         self.limits = {i: even for i in self.order}
 
-    def assign(self, layer: int, need: float | None) -> int:
-        """Record layer `layer`'s need (None: not measurable yet) and return its share from now on."""
-        if need is not None:
-            self.need[layer] = float(need)
+    def target(self, layer: int) -> int | None:
+        """The budget times layer `layer`'s need over the sum of needs (None before any layer measured one)."""
         if not self.need:
-            return self.limits[layer]
+            return None
         mean = sum(self.need.values()) / len(self.need)
         needs = {i: self.need.get(i, mean) for i in self.order}
-        target = int(self.max_bytes * needs[layer] / max(sum(needs.values()), 1e-9))
+        return int(self.max_bytes * needs[layer] / max(sum(needs.values()), 1e-9))
+
+    def note(self, layer: int, need: float | None) -> None:
+        """Record layer `layer`'s first need without moving its share (it has just been brought within that share)."""
+        if need is not None and layer not in self.need:
+            self.need[layer] = float(need)
+
+    def assign(self, layer: int, need: float | None) -> int:
+        """Record layer `layer`'s need (None: not measurable yet, or unchanged) and return its share from now on."""
+        if need is not None:
+            self.need[layer] = float(need)
+        target = self.target(layer)
+        if target is None:
+            return self.limits[layer]
         room = self.max_bytes - sum(v for i, v in self.limits.items() if i != layer)
         self.limits[layer] = min(target, room)
         return self.limits[layer]
@@ -229,6 +245,10 @@ def enforce(layer) -> None:
             # move evictions to the lender, not save them).
             if held <= share.split.assign(share.index, oldest_tier_need(layer, held)):
                 continue
+            # Layers that took their share before this layer's cost was known (in the forward that first fills the
+            # cache) may hold more than their target in warm blocks: they compress those first, then it takes the room.
+            if share.compress_first and reclaim(share) and held <= share.split.assign(share.index, None):
+                continue
         event = event or _evict_oldest(layer, held - share.limit, share)
         if event is None:
             raise BudgetError(
@@ -237,6 +257,41 @@ def enforce(layer) -> None:
             )
         share.record(event)
         held = event.bytes_after
+    # Demotions may have made the oldest tier whose cost its need was missing: a later layer's `reclaim` reads it.
+    share.split.note(share.index, oldest_tier_need(layer, held))
+
+
+def reclaim(share: LayerShare) -> bool:
+    """Before the layer of `share` evicts: every layer before it in the model (already stored in this forward, so a
+    rolled-back forward restores it too) that holds a share above its target demotes warm blocks until it holds at most
+    its target or has none left, and its share falls to what it then holds. Returns whether any share fell.
+
+    This is what keeps eviction the last step in the forward that first fills a budgeted cache: a layer's need is known
+    only once its oldest tier holds tokens, so the layers before a costlier one have taken the shares it needs."""
+    split, freed = share.split, False
+    earlier = [i for i in split.order if i < share.index and i in split.members]
+    targets = {i: split.target(i) for i in earlier}
+    over = sorted((i for i in earlier if targets[i] is not None and split.limits[i] > targets[i]),
+                  key=lambda i: split.limits[i] - targets[i], reverse=True)
+    for i in over:  # the largest excess first
+        target, other = targets[i], split.members[i]
+        if other.budget is None:
+            continue
+        held = other.nbytes()
+        while held > target:
+            freed_slack = sum(seg.compact() for seg in other.segments)
+            if freed_slack:
+                held -= freed_slack
+                continue
+            event = _demote_oldest_block(other, other.budget)
+            if event is None:
+                break
+            other.budget.record(event)
+            held = event.bytes_after
+        lower = max(target, held)
+        if lower < split.limits[i]:
+            split.limits[i], freed = lower, True
+    return freed
 
 
 def _demote_oldest_block(layer, share: LayerShare) -> BudgetEvent | None:

@@ -288,6 +288,7 @@ class KVCache(Cache):
             vars(layer).pop("budget", None)  # layers without a budget keep the class default
             if split is not None:
                 layer.budget = LayerShare(split, layer.layer_idx, budget.compress_first, len(layers), self.budget_events)
+                split.members[layer.layer_idx] = layer
 
     def rematerialize(self, model) -> int:
         """Recompute the evicted tokens' K/V with `model` and store them again (all or nothing); returns the tokens
