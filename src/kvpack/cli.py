@@ -83,6 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     _common(cmp_)
     cmp_.add_argument("--methods", default="fp16,kivi:2,turboquant:k3v3,hf-quanto:4,hf-hqq:4,dynamic", help="comma-separated")
     cmp_.add_argument("--plot", help="PNG path: Pareto plot and needle heatmaps")
+    cmp_.add_argument("--draws", type=int, default=1,
+                      help="rotation draws per method that draws at random (@seed=0..N-1), reported as the mean and spread")
     cal = sub.add_parser("calibrate", help="measure a model's per-layer K/V sensitivity once, for the auto:<target> methods")
     cal.add_argument("--config", help="TOML file with defaults for these options")
     cal.add_argument("--model", default=DEFAULT_MODEL, help=f"registry name {list_models()}, a local HF directory or a .gguf file")
@@ -224,6 +226,7 @@ def validate(args, subparser: argparse.ArgumentParser) -> None:
         ("--context", args.context, 16), ("--ppl-tokens", args.ppl_tokens, 1), ("--chunk", args.chunk, 1),
         ("--decode-tokens", args.decode_tokens, 1), ("--fidelity-steps", args.fidelity_steps, 1),
         ("--threads", args.threads, 0), ("--seed", args.seed, 0), ("--needle-trials", args.needle_trials, 1),
+        ("--draws", getattr(args, "draws", 1), 1),
     ]:
         if value < low:
             raise ValueError(f"{flag} must be >= {low}, got {value}")
@@ -327,8 +330,9 @@ def _check_profiles(model, methods: list[str]) -> None:
             auto_method(model, name)
 
 
-def _write_json(args: argparse.Namespace, cfg, rows: list[dict], quiet: bool = False) -> None:
-    """`{config, env, rows}` to `args.json` (if given); `env` names the command line as the user typed it."""
+def _write_json(args: argparse.Namespace, cfg, rows: list[dict], quiet: bool = False, draws: list[dict] | None = None) -> None:
+    """`{config, env, rows}` to `args.json` (if given), and `draws` (each method's mean over rotation draws) when there
+    are any; `env` names the command line as the user typed it."""
     path = args.json
     if not path:
         return
@@ -337,7 +341,8 @@ def _write_json(args: argparse.Namespace, cfg, rows: list[dict], quiet: bool = F
 
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     # The stamp (git SHA, versions, CPU, threads, command line) is what makes a result reproducible.
-    Path(path).write_text(json.dumps({"config": config_dict(cfg), "environment": environment("kvpack", args.argv), "rows": rows}, indent=1))
+    out = {"config": config_dict(cfg), "environment": environment("kvpack", args.argv), "rows": rows} | ({"draws": draws} if draws else {})
+    Path(path).write_text(json.dumps(out, indent=1))
     if not quiet:
         print(f"wrote {path}")
 
@@ -387,13 +392,36 @@ def cmd_eval(args) -> int:
     return 0 if all(r.get("status") == "ok" for r in rows) else 1
 
 
-def cmd_compare(args) -> int:
-    from .eval.report import format_table, plot
+def expand_draws(methods: list[str], draws: int) -> list[str]:
+    """Each kvpack method that draws at random (rotations, sketches, k-means starts) at `@seed=0 .. draws-1`, unless its
+    name already picks a draw; other methods and peers once."""
+    from .registry import SEED_SUFFIX, get_method
 
-    cfg, rows = _run(args, _list(args.methods))
+    out = []
+    for name in methods:
+        if draws > 1 and SEED_SUFFIX not in name:
+            try:
+                get_method(name).with_seed(0)
+            except (ValueError, KeyError):  # draws nothing at random, a peer, or auto:<target> (resolved with the model)
+                pass
+            else:
+                out += [f"{name}{SEED_SUFFIX}{seed}" for seed in range(draws)]
+                continue
+        out.append(name)
+    return out
+
+
+def cmd_compare(args) -> int:
+    from .eval.report import draw_summaries, format_draw_summaries, format_table, plot
+
+    cfg, rows = _run(args, expand_draws(_list(args.methods), args.draws))
     print()
     print(format_table(rows))
-    _write_json(args, cfg, rows)
+    summaries = draw_summaries(rows)
+    if summaries:
+        print()
+        print(format_draw_summaries(summaries))
+    _write_json(args, cfg, rows, draws=summaries)
     if args.plot:
         plot(rows, args.plot)
         print(f"wrote {args.plot}")

@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 import math
+import re
+import statistics
 from collections.abc import Callable
+
+from ..registry import SEED_SUFFIX
+
+_SEED = re.compile(re.escape(SEED_SUFFIX) + r"(\d+)")
 
 
 def _number(key: str, fmt: str) -> Callable[[dict], str]:
@@ -164,3 +170,47 @@ def _heatmap(ax, row: dict) -> None:
     ax.set_xlabel("context (tokens)", fontsize=7)
     ax.set_ylabel("needle depth", fontsize=7)
     ax.set_title(f"{row['method']}: {row['needle_found']}/{row['needle_total']}", fontsize=9)
+
+
+def draw_summaries(rows: list[dict]) -> list[dict]:
+    """One summary per method measured at more than one rotation draw (ok rows whose names differ only by `@seed=N`).
+
+    A draw moves a 3-bit method's perplexity delta by more than its bootstrap interval is wide
+    (docs/guide/evaluation.md, "One draw of the rotation"), so a method is its mean over draws, with the spread:
+    `{"method", "seeds", "ppl_delta_pct": {"mean", "sd", "min", "max", "each"}, "ratio_vs_fp16", "needle_found",
+    "needle_total"}` (sd: the sample standard deviation over draws; `ratio_vs_fp16`: the mean)."""
+    groups: dict[str, list[tuple[int, dict]]] = {}
+    for row in rows:
+        match = _SEED.search(row.get("method", ""))
+        if match and row.get("status") == "ok" and row.get("ppl_delta_pct") is not None:
+            groups.setdefault(_SEED.sub("", row["method"], count=1), []).append((int(match[1]), row))
+    summaries = []
+    for method, draws in groups.items():
+        if len(draws) < 2:
+            continue
+        deltas = [row["ppl_delta_pct"] for _, row in draws]
+        ratios = [row["ratio_vs_fp16"] for _, row in draws if row.get("ratio_vs_fp16") is not None]
+        summaries.append({
+            "method": method, "seeds": [seed for seed, _ in draws],
+            "ppl_delta_pct": {"mean": statistics.fmean(deltas), "sd": statistics.stdev(deltas), "min": min(deltas), "max": max(deltas),
+                              "each": deltas},
+            "ratio_vs_fp16": statistics.fmean(ratios) if ratios else None,
+            "needle_found": sum(row.get("needle_found") or 0 for _, row in draws),
+            "needle_total": sum(row.get("needle_total") or 0 for _, row in draws),
+        })
+    return summaries
+
+
+def format_draw_summaries(summaries: list[dict]) -> str:
+    """A fixed-width table of `draw_summaries`: the mean perplexity delta over draws, its spread and every draw."""
+    if not summaries:
+        return ""
+    cells = [["method, over rotation draws", "draws", "x fp16", "ppl delta mean", "sd", "min to max", "each draw", "needle"]]
+    for s in summaries:
+        d = s["ppl_delta_pct"]
+        cells.append([
+            s["method"], str(len(s["seeds"])), "-" if s["ratio_vs_fp16"] is None else f"{s['ratio_vs_fp16']:.2f}x",
+            f"{d['mean']:+.2f}%", f"{d['sd']:.2f}", f"{d['min']:+.2f} to {d['max']:+.2f}%", " / ".join(f"{x:+.2f}" for x in d["each"]),
+            f"{s['needle_found']}/{s['needle_total']}" if s["needle_total"] else "-",
+        ])
+    return "\n".join(_fixed(cells))
