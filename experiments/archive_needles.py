@@ -14,13 +14,12 @@ the grid once, as the reference.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
 
 import kvpack
-from kvpack.bench.env import environment
+from kvpack.bench.env import environment, write_json
 from kvpack.eval.methods import make_cache
 from kvpack.eval.needle import needle_grid
 from kvpack.registry import get_method
@@ -61,9 +60,7 @@ def main(argv: list[str] | None = None) -> dict:
         missed = [(t["target_length"], t["depth"], t["answer"]) for t in row["trials"] if not t["found"]]
         print(f"{row['method']} seed {row['seed']}: {found}/{total} found" + (f", missed {missed}" if missed else ""), flush=True)
     out = {"config": vars(args) | {"json": str(args.json)}, "environment": env, "rows": rows}
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(out, indent=1) + "\n")
+    write_json(args.json, out)
     return out
 
 

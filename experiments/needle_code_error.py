@@ -23,7 +23,7 @@ import torch
 from transformers import DynamicCache
 
 import kvpack
-from kvpack.bench.env import environment
+from kvpack.bench.env import environment, write_json
 from kvpack.eval.generate import forward
 from kvpack.eval.needle import build_prompt, make_needles
 from kvpack.registry import get_method
@@ -97,9 +97,7 @@ def main(argv: list[str] | None = None) -> dict:
     }
     print(json.dumps(summary, indent=1), flush=True)
     out = {"config": vars(args) | {"json": str(args.json)}, "environment": env, "summary": summary, "layers": layers}
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(out, indent=1) + "\n")
+    write_json(args.json, out)
     return out
 
 

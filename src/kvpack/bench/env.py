@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import subprocess
@@ -62,3 +63,12 @@ def environment(prog: str | None = None, argv: list[str] | None = None) -> dict:
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "command": " ".join([prog or (Path(sys.argv[0]).name if sys.argv else "python"), *(sys.argv[1:] if argv is None else argv)]),
     }
+
+
+def write_json(path, data: dict) -> None:
+    """Write a result (`{config, environment, ...}`) to `path` as indented JSON, making its directory; None: nothing."""
+    if path is None:
+        return
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1) + "\n")
