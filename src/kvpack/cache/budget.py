@@ -234,22 +234,19 @@ def enforce(layer) -> None:
     held = layer.nbytes()
     share.split.assign(share.index, oldest_tier_need(layer, held))
     while held > share.limit:
-        freed = sum(seg.compact() for seg in layer.segments)  # spare capacity goes first: a copy, not accuracy
-        if freed:
-            held -= freed
+        held = _compress_to(layer, share, share.limit, held)
+        if held <= share.limit:
+            break
+        # Its demotions may have just made its oldest tier, whose cost its share did not know: measure again
+        # before evicting (no lending between layers: a layer without tiers can only evict, so a loan would
+        # move evictions to the lender, not save them).
+        if held <= share.split.assign(share.index, oldest_tier_need(layer, held)):
             continue
-        event = share.compress_first and _demote_oldest_block(layer, share)
-        if not event:
-            # Its demotions may have just made its oldest tier, whose cost its share did not know: measure again
-            # before evicting (no lending between layers: a layer without tiers can only evict, so a loan would
-            # move evictions to the lender, not save them).
-            if held <= share.split.assign(share.index, oldest_tier_need(layer, held)):
-                continue
-            # Layers that took their share before this layer's cost was known (in the forward that first fills the
-            # cache) may hold more than their target in warm blocks: they compress those first, then it takes the room.
-            if share.compress_first and reclaim(share) and held <= share.split.assign(share.index, None):
-                continue
-        event = event or _evict_oldest(layer, held - share.limit, share)
+        # Layers that took their share before this layer's cost was known (in the forward that first fills the
+        # cache) may hold more than their target in warm blocks: they compress those first, then it takes the room.
+        if share.compress_first and reclaim(share) and held <= share.split.assign(share.index, None):
+            continue
+        event = _evict_oldest(layer, held - share.limit, share)
         if event is None:
             raise BudgetError(
                 f"layer {layer.layer_idx} holds {held:,} bytes with nothing left to evict (its share is {share.limit:,}): "
@@ -259,6 +256,22 @@ def enforce(layer) -> None:
         held = event.bytes_after
     # Demotions may have made the oldest tier whose cost its need was missing: a later layer's `reclaim` reads it.
     share.split.note(share.index, oldest_tier_need(layer, held))
+
+
+def _compress_to(layer, share: LayerShare, limit: int, held: int) -> int:
+    """Free `layer`'s spare run capacity (a copy, not accuracy), then demote its oldest warm blocks (when the budget
+    allows it), until it holds at most `limit` bytes or has nothing left to demote. Returns what it then holds."""
+    while held > limit:
+        freed = sum(seg.compact() for seg in layer.segments)
+        if freed:
+            held -= freed
+            continue
+        event = share.compress_first and _demote_oldest_block(layer, share)
+        if not event:
+            break
+        share.record(event)
+        held = event.bytes_after
+    return held
 
 
 def reclaim(share: LayerShare) -> bool:
@@ -274,21 +287,10 @@ def reclaim(share: LayerShare) -> bool:
     over = sorted((i for i in earlier if targets[i] is not None and split.limits[i] > targets[i]),
                   key=lambda i: split.limits[i] - targets[i], reverse=True)
     for i in over:  # the largest excess first
-        target, other = targets[i], split.members[i]
+        other = split.members[i]
         if other.budget is None:
             continue
-        held = other.nbytes()
-        while held > target:
-            freed_slack = sum(seg.compact() for seg in other.segments)
-            if freed_slack:
-                held -= freed_slack
-                continue
-            event = _demote_oldest_block(other, other.budget)
-            if event is None:
-                break
-            other.budget.record(event)
-            held = event.bytes_after
-        lower = max(target, held)
+        lower = max(targets[i], _compress_to(other, other.budget, targets[i], other.nbytes()))
         if lower < split.limits[i]:
             split.limits[i], freed = lower, True
     return freed
