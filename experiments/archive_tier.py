@@ -14,6 +14,7 @@ prompt, and a prompt-only codec (Shard's) holds only the first `--prompt` tokens
 layer's K and V would take in fp16 at the end): past it the cache first demotes warm blocks into the archive, then
 evicts; the row counts both. `NAME|bytes-of=OTHER` runs NAME under a budget of the most bytes OTHER (listed before it)
 held after any forward of the same draw: a placement set by the budget against a fixed boundary, at equal peak bytes.
+`NAME|max-bytes=N` runs NAME under a budget of N bytes (e.g. a fixed boundary's peak from an earlier run's file).
 
 An archive variant is `archive:AFTER[/kB][/eE|/sS][/vqN][/fitF][/refitR][/warm=METHOD]`: the `tiered:AFTER:shard`
 layout with the PCA keys' average bits B, their rank chosen by key energy E or by a score error of S% on the latest
@@ -184,13 +185,14 @@ def main(argv: list[str] | None = None) -> dict:
         draws = []
         method_name, _, budget = name.partition("|budget=")
         method_name, _, other = method_name.partition("|bytes-of=")
+        method_name, _, fixed_bytes = method_name.partition("|max-bytes=")
         if other and other not in done:
             raise SystemExit(f"{name!r}: list {other!r} before it in --methods (its bytes set this run's budget)")
         for seed in seeds:
-            max_bytes = next(r["peak_bytes"] for r in done.get(other, []) if r["seed"] == seed) if other else 0
+            max_bytes = next(r["peak_bytes"] for r in done.get(other, []) if r["seed"] == seed) if other else int(fixed_bytes or 0)
             row, result = run(model, ids, resolve(method_name, seed), args.prompt, args.follow, args.chunk, float(budget or 0), max_bytes)
-            if budget or other:
-                row["method"] += f"|budget={budget}" if budget else f"|bytes-of={other}"
+            if budget or other or fixed_bytes:
+                row["method"] += f"|budget={budget}" if budget else f"|bytes-of={other}" if other else f"|max-bytes={fixed_bytes}"
             row["seed"], row["ppl_delta_pct"] = seed, delta(result, base)[0]
             row["ppl_delta_ci"] = list(delta_ci(result, base))
             draws.append(row)
