@@ -127,3 +127,174 @@ def test_fp16_method_holds_what_a_dynamic_cache_would_in_fp16():
     report = cache.memory_report()
     assert report["total_bytes"] == report["fp16_bytes"] == real
     assert report["ratio"] == 1.0
+
+
+# -- sliding-window layers compressed (`MethodConfig.sliding`, name suffix `@sliding=METHOD`) ------------------------
+WIDE = 200  # wider than a method's exact window plus a block (64 + 64), so a sliding layer's oldest tokens are coded
+
+
+def _wide(kind: str):
+    """A model whose sliding layers keep WIDE tokens: Gemma3 (one sliding, one full layer) or Mistral (every layer sliding)."""
+    torch.manual_seed(0)
+    if kind == "gemma3":
+        cfg = Gemma3TextConfig(sliding_window=WIDE, layer_types=["sliding_attention", "full_attention"], **TINY)
+        return Gemma3ForCausalLM(cfg).eval()
+    return MistralForCausalLM(MistralConfig(sliding_window=WIDE, **TINY)).eval()
+
+
+@pytest.fixture
+def enabled():
+    made = []
+
+    def build(kind: str):
+        model = _wide(kind)
+        kvpack.enable(model)
+        made.append(model)
+        return model
+
+    yield build
+    for model in made:
+        kvpack.disable(model)
+
+
+@pytest.mark.parametrize("kind", ["gemma3", "mistral"])
+def test_lossless_compressed_sliding_layers_follow_dynamic_cache_and_hold_its_window(kind, enabled):
+    """fp16 codes in the sliding layers: the logits of a prompt longer than the window and 200 decode steps past it
+    match transformers' DynamicCache (its own sliding layers) to fp16 storage precision, and after every forward a
+    sliding layer holds exactly the tokens transformers' sliding layer holds."""
+    model = enabled(kind)
+    reference = DynamicCache(config=model.config)
+    expected = _drive(model, reference, prompt=300, steps=0)
+    cache = kvpack.KVCache(model, "fp16@sliding=fp16")
+    got = [_drive(model, cache, prompt=300, steps=0)]
+    ids = torch.randint(0, 64, (1, 200), generator=torch.Generator().manual_seed(2))
+    for t in range(ids.shape[1]):
+        with torch.no_grad():
+            expected = torch.cat([expected, model(ids[:, t : t + 1], past_key_values=reference).logits[:, -1:]], 1)
+            got.append(model(ids[:, t : t + 1], past_key_values=cache).logits[:, -1:])
+        held = [layer.length - layer.dropped for layer in cache.layers if layer.sliding_window]
+        assert held == [layer.keys.shape[2] for layer in reference.layers if layer.is_sliding]
+    assert torch.allclose(torch.cat(got, 1), expected, atol=2e-3, rtol=0)
+    sliding = [layer for layer in cache.layers if layer.sliding_window]
+    assert sliding and all(layer.segments for layer in sliding)  # the window's older tokens were coded, not only held exact
+    assert cache.memory_report()["fp16_bytes"] == _held(reference)[1]
+
+
+def test_int8_sliding_layer_holds_a_quarter_of_the_fp32_window(enabled):
+    model = enabled("gemma3")
+    reference = DynamicCache(config=model.config)
+    expected = _drive(model, reference, prompt=300, steps=80)
+    cache = kvpack.KVCache(model, "fp16@sliding=int8")
+    got = _drive(model, cache, prompt=300, steps=80)
+    assert torch.equal(got.argmax(-1), expected.argmax(-1))
+    window = reference.layers[0]
+    exact_bytes = window.keys.nbytes + window.values.nbytes  # fp32
+    assert cache.layers[0].nbytes() < 0.4 * exact_bytes  # int8 rows for most of it, an fp16 exact window of 64 tokens
+    assert cache.memory_report()["fp16_bytes"] == _held(reference)[1]
+
+
+def test_a_sliding_decode_step_takes_the_fused_kernels(enabled, monkeypatch):
+    """The window's mask is all True over what a sliding layer still holds, so its decode step is the unmasked one."""
+    from kvpack import attention
+
+    model = enabled("gemma3")
+    cache = kvpack.KVCache(model, "fp16@sliding=int8")
+    _drive(model, cache, prompt=300, steps=1)
+    masked = []
+    segmented = attention.segmented_attention
+    monkeypatch.setattr(attention, "segmented_attention", lambda layer, q, *a, **k: masked.append(layer.layer_idx) or segmented(layer, q, *a, **k))
+    _drive_more(model, cache, 3)
+    assert masked == []
+
+
+def _drive_more(model, cache, steps: int) -> None:
+    ids = torch.randint(0, 64, (1, steps), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        for t in range(steps):
+            model(ids[:, t : t + 1], past_key_values=cache)
+
+
+def test_a_saved_cache_with_dropped_tokens_loads_and_continues_alike(enabled, tmp_path):
+    model = enabled("gemma3")
+    cache = kvpack.KVCache(model, "fp16@sliding=int8")
+    _drive(model, cache, prompt=300, steps=40)
+    cache.save(tmp_path / "c.kvpack")
+    loaded = kvpack.KVCache.load(tmp_path / "c.kvpack", model)
+    assert loaded.layers[0].dropped == cache.layers[0].dropped > 0
+    ids = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        a = model(ids, past_key_values=cache).logits
+        b = model(ids, past_key_values=loaded).logits
+    assert torch.equal(a, b)
+
+
+def test_cropping_a_sliding_layer_once_it_dropped_tokens_is_refused(enabled):
+    """A cut would leave the next query without the window before it; before the window fills a crop works."""
+    model = enabled("gemma3")
+    cache = kvpack.KVCache(model, "fp16@sliding=int8")
+    _drive(model, cache, prompt=150, steps=0)
+    cache.crop(-10)
+    assert cache.get_seq_length() == 140 and cache.layers[0].length == 140
+    _drive_more(model, cache, 100)
+    assert cache.layers[0].dropped > 0
+    with pytest.raises(ValueError, match="dropped its first"):
+        cache.crop(-1)
+    assert cache.get_seq_length() == 240  # nothing cut in any layer
+
+
+def test_without_kvpack_attention_a_compressed_sliding_layer_still_holds_only_its_window():
+    """The model's own attention reads the dequantized layer: zeros where it dropped tokens, which its mask never reads."""
+    model = _wide("gemma3")
+    reference = DynamicCache(config=model.config)
+    expected = _drive(model, reference, prompt=300, steps=3)
+    cache = kvpack.KVCache(model, "fp16@sliding=fp16")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the dequantizing path warns once
+        got = _drive(model, cache, prompt=300, steps=3)
+    layer = cache.layers[0]
+    assert layer.length == 303 and layer.length - layer.dropped == reference.layers[0].keys.shape[2] == WIDE - 1
+    assert torch.allclose(got, expected, atol=2e-3, rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("name", "match"),
+    [
+        ("turboquant:k3v2@sliding=nope", "unknown method 'nope'"),
+        ("turboquant:k3v2@sliding=shard", "tiers, prompt codecs"),
+        ("turboquant:k3v2@sliding=int8@seed=1@sliding=int8", "each at most once"),
+        ("turboquant:k3v2+ropemean@fisher=32@sliding=int8", "@sliding=exact"),
+    ],
+)
+def test_sliding_option_refusals_name_the_fix(name, match):
+    with pytest.raises(ValueError, match=match):
+        kvpack.get_method(name)
+
+
+def test_sliding_layers_draw_from_the_methods_seed():
+    method = kvpack.get_method("turboquant:k3v2@sliding=turboquant:k4v4+ropemean@seed=5")
+    assert method.name == "turboquant:k3v2@sliding=turboquant:k4v4+ropemean@seed=5"
+    side = method.sliding_method()
+    assert side.key.options["seed"] == side.value.options["seed"] == 5
+    assert side.sink_tokens == 0 and side.anchors == 0
+    assert kvpack.get_method("turboquant:k3v2").sliding_method() is None
+
+
+def test_left_padded_rows_of_a_compressed_sliding_layer_follow_dynamic_cache(enabled):
+    """Pads sit in the sink region until the window passes them; each row reads what DynamicCache gives it."""
+    model = enabled("gemma3")
+    ids = torch.randint(1, 64, (2, 260), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(ids)
+    mask[1, :37] = 0  # row 1: 37 pads on the left
+    expected, got = [], []
+    for cache, out in ((DynamicCache(config=model.config), expected), (kvpack.KVCache(model, "fp16@sliding=fp16"), got)):
+        m = mask
+        with torch.no_grad():
+            logits = model(ids, attention_mask=m, past_key_values=cache).logits[:, -1:]
+            out.append(logits)
+            for _ in range(120):
+                m = torch.cat([m, torch.ones(2, 1, dtype=m.dtype)], 1)
+                logits = model(logits.argmax(-1), attention_mask=m, past_key_values=cache).logits[:, -1:]
+                out.append(logits)
+        if isinstance(cache, kvpack.KVCache):
+            assert cache.layers[0].dropped > 0 and cache.layers[0].sink_k.shape[2] == 0
+    assert torch.allclose(torch.cat(got, 1), torch.cat(expected, 1), atol=2e-3, rtol=0)

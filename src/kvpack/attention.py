@@ -89,7 +89,7 @@ def segmented_attention(layer: KVPackLayer, query: torch.Tensor, mask: torch.Ten
     lq = query.shape[2]
     if mask is not None and mask.shape[-1] != layer.length:
         raise ValueError(f"attention mask covers {mask.shape[-1]} keys but layer {layer.layer_idx} holds {layer.length}")
-    if not layer.segments and not layer.evicted and softcap is None:  # sinks and window are contiguous tokens
+    if not layer.segments and not layer.evicted and not layer.dropped and softcap is None:  # sinks and window: every token
         return _exact_sdpa(layer, query, mask, scaling)
     outs = []
     for q0 in range(0, lq, QUERY_CHUNK):
@@ -206,6 +206,11 @@ def kvpack_attention_forward(module, query, key, value, attention_mask, dropout:
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
     layer.set_positions(kwargs.get("position_ids"), query.shape[2])
     out = None
+    if attention_mask is not None and layer.dropped and query.shape[2] == 1 and attention_mask.shape[-1] == layer.length:
+        # A sliding layer's decode step: the window's mask is all True over the tokens the layer still holds (it drops
+        # what the window leaves), so the step is the unmasked one and takes the fused kernels.
+        if bool(attention_mask[..., layer.dropped:].all()):
+            attention_mask = None
     if attention_mask is None and kwargs.get("softcap") is None:
         out = fused_decode(layer, query, scaling)
     if out is None:

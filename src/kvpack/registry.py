@@ -85,6 +85,10 @@ class LayerCodecs:
             raise ValueError(f"LayerCodecs.layers must be non-negative ints (layer indices), got {bad!r} in {self.layers!r}")
 
 
+EXACT_SLIDING = "exact"  # `MethodConfig.sliding`: sliding-window layers keep transformers' own window, uncompressed
+SLIDING_EXAMPLES = "'int8', 'turboquant:k4v4+ropemean'"
+
+
 @dataclass(frozen=True)
 class MethodConfig:
     """Everything a cache needs to know about one compression method.
@@ -109,6 +113,11 @@ class MethodConfig:
         prompt's last N tokens are run again with gradients w.r.t. the earlier tokens' cached K/V, and the keys of the
         layers that signal ranks most sensitive get a fourth bit, paid for by the keys of the least sensitive at two,
         so the bytes stay the method's (kvpack/cache/prompt_widths.py). Needs 3-bit TurboQuant keys. 0: off.
+    sliding: what a sliding-window layer (Gemma-3's local layers, Mistral-style configs) holds: "exact" keeps
+        transformers' bounded window in the model's dtype; a registered method name (e.g. "int8",
+        "turboquant:k4v4+ropemean"; name suffix `@sliding=int8`) compresses the window with that method's codecs,
+        without sinks or anchors, and drops every token once it leaves the window (`sliding_method`); such a layer
+        cannot be cropped once it has dropped tokens (as transformers' own sliding layers refuse once full).
     """
 
     name: str
@@ -125,6 +134,7 @@ class MethodConfig:
     anchors: float = 0.0
     prompt_ratio: float = 0.0
     fisher_tail: int = 0
+    sliding: str = EXACT_SLIDING
 
     def __post_init__(self):
         for attr in ("key", "value", "prefill_key", "prefill_value"):
@@ -146,6 +156,38 @@ class MethodConfig:
         self._check_anchors()
         self._check_prompt_ratio()
         self._check_fisher_tail()
+        self._check_sliding()
+
+    def _check_sliding(self) -> None:
+        if not isinstance(self.sliding, str):
+            raise TypeError(f"sliding must be a str ('{EXACT_SLIDING}' or a method name), got {type(self.sliding).__name__}")
+        if self.sliding == EXACT_SLIDING:
+            return
+        allowed = f"'{EXACT_SLIDING}' (transformers' window, uncompressed) or a method without suffixes, tiers or prompt codecs, e.g. {SLIDING_EXAMPLES}"
+        if "@" in self.sliding:
+            raise ValueError(f"sliding must be {allowed}; got {self.sliding!r}")
+        try:
+            base = get_method(self.sliding)
+        except ValueError as err:
+            raise ValueError(f"sliding must be {allowed}; got {self.sliding!r} ({err})") from None
+        if base.tiers or base.prefill_key is not None or base.prefill_value is not None or base.layer_codecs or base.prompt_ratio:
+            raise ValueError(f"sliding must be {allowed}; {self.sliding!r} has tiers, prompt codecs or per-layer widths, which a "
+                             "window of recent tokens has no use for")
+        if self.fisher_tail:
+            raise ValueError(f"method {self.name!r}: '{FISHER_SUFFIX}' reads every prompt token's cached K/V after the prefill, and a "
+                             f"compressed sliding layer drops them as they leave its window; use '{SLIDING_SUFFIX}{EXACT_SLIDING}' with it")
+
+    def sliding_method(self) -> MethodConfig | None:
+        """The config a compressed sliding-window layer runs, or None when `sliding` is "exact": the named method with
+        no sinks and no anchors (a token leaves the window for good, so neither would be read for long), this method's
+        exact dtype, and its codecs drawn from this method's seed (one `@seed=N` draws every layer)."""
+        if self.sliding == EXACT_SLIDING:
+            return None
+        base = get_method(self.sliding)
+        seed = next((s.options["seed"] for s in self.specs() if "seed" in s.options), None)
+        if seed is not None and any(_has_seed(s) for s in base.specs()):
+            base = base.with_seed(seed)
+        return replace(base, sink_tokens=0, anchors=0.0, exact_dtype=self.exact_dtype)
 
     def _check_fisher_tail(self) -> None:
         tail = self.fisher_tail
@@ -241,6 +283,12 @@ class MethodConfig:
         changed = replace(self, fisher_tail=tail)  # validates
         return replace(changed, name=f"{self.name}{FISHER_SUFFIX}{tail}")
 
+    def with_sliding(self, method: str) -> MethodConfig:
+        """This method with its sliding-window layers held as `method` names ("exact", "int8", ...; `sliding`),
+        named `name@sliding=METHOD`."""
+        changed = replace(self, sliding=method)  # validates
+        return replace(changed, name=f"{self.name}{SLIDING_SUFFIX}{method}")
+
     def with_anchors(self, fraction: float) -> MethodConfig:
         """This method with `fraction` of its compressed tokens also kept exact (the most attended ones),
         named `name@anchors=P%`. Half a percent (about ten tokens of 2K) cut turboquant:k3v2's perplexity loss by
@@ -253,7 +301,8 @@ SEED_SUFFIX = "@seed="  # `turboquant:k3v2@seed=1`: the method's codecs drawn fr
 ANCHORS_SUFFIX = "@anchors="  # `turboquant:k3v2@anchors=0.5%`: the most-attended compressed tokens kept exact (`with_anchors`)
 WINDOW_SUFFIX = "@window="  # `turboquant:k3v2@window=32`: the exact recent window's size in tokens (`with_window`)
 FISHER_SUFFIX = "@fisher="  # `...@fisher=32`: key widths per layer placed by the prompt's last 32 tokens (`with_fisher`)
-SUFFIXES = ("anchors", "window", "fisher", "seed")  # the order a name carries them in
+SLIDING_SUFFIX = "@sliding="  # `...@sliding=int8`: sliding-window layers compressed with int8 rows (`with_sliding`)
+SUFFIXES = ("anchors", "window", "fisher", "sliding", "seed")  # the order a name carries them in
 MIN_FISHER_TAIL, MAX_FISHER_TAIL = 16, 4096
 MAX_ANCHORS = 0.25
 MAX_PROMPT_RATIO = 64  # 64x: below one bit per fp16 element is past any codec kvpack has
@@ -283,12 +332,13 @@ def split_suffixes(method: str) -> tuple[str, dict[str, Any]]:
         key, sep, value = part.partition("=")
         if not sep or key not in SUFFIXES or key in found:
             raise ValueError(
-                f"{method!r}: a method name takes the suffixes '{ANCHORS_SUFFIX}P%', '{WINDOW_SUFFIX}N', '{FISHER_SUFFIX}N' and '{SEED_SUFFIX}N', "
+                f"{method!r}: a method name takes the suffixes '{ANCHORS_SUFFIX}P%', '{WINDOW_SUFFIX}N', '{FISHER_SUFFIX}N', "
+                f"'{SLIDING_SUFFIX}METHOD' and '{SEED_SUFFIX}N', "
                 f"each at most once, got '@{part}'"
             )
         if key in ("seed", "window", "fisher") and not value.isdigit():
             raise ValueError(f"{method!r}: '@{key}=' takes a non-negative integer, e.g. 'turboquant:k3v2@{key}=1'")
-        found[key] = _parse_fraction(value, method) if key == "anchors" else int(value)
+        found[key] = _parse_fraction(value, method) if key == "anchors" else value if key == "sliding" else int(value)
     return base, found
 
 

@@ -59,11 +59,13 @@ def prefill_dynamic(model, ids: torch.Tensor, chunk: int = 2048):
 
 
 def needs_queries(method) -> bool:
-    """Whether `method` reads the prompt's queries (a prompt codec's fit, e.g. Shard's PCA rank, or its anchors) or
-    runs the model over its prompt (`@fisher`), which only a real forward under `kvpack.enable` gives it."""
+    """Whether `method` reads the prompt's queries (a prompt codec's fit, e.g. Shard's PCA rank, or its anchors),
+    runs the model over its prompt (`@fisher`), or compresses sliding-window layers (which need every prompt token,
+    where a filled DynamicCache keeps only each window): what only a real forward under `kvpack.enable` gives it."""
     config = get_method(method)
     spec = config.prefill_key
-    return config.anchors > 0 or config.fisher_tail > 0 or (spec is not None and spec.codec_class.fits_on_queries)
+    return (config.anchors > 0 or config.fisher_tail > 0 or config.sliding_method() is not None
+            or (spec is not None and spec.codec_class.fits_on_queries))
 
 
 @torch.no_grad()
@@ -80,6 +82,9 @@ def fill_kvpack(model, method, source, ids: torch.Tensor | None = None) -> tuple
     if ids is not None and needs_queries(method):
         forward(model, ids, cache)
         return cache, time.perf_counter() - start
+    if any(isinstance(layer, KVPackLayer) and layer.sliding_window is not None for layer in cache.layers):
+        raise ValueError(f"method {method!r} compresses sliding-window layers, which need the whole prompt (a DynamicCache keeps only "
+                         "each window): pass the prompt's ids to fill the cache by a forward")
     for idx, (layer, src) in enumerate(zip(cache.layers, source.layers, strict=True)):
         k, v = src.keys, src.values
         if isinstance(layer, KVPackLayer):

@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..registry import CodecSpec, MethodConfig
-from .layer import KVPackLayer
 
 if TYPE_CHECKING:
     from .kvcache import KVCache
@@ -254,9 +253,8 @@ def apply_boundary(cache: KVCache, boundary: int) -> MethodConfig:
         raise ValueError(f"method {method.name!r} has no older tier (MethodConfig.tiers is empty): there is no boundary to set")
     new = method.with_options(tiers=(replace(method.tiers[0], after=boundary), *method.tiers[1:]))
     cache.method = new
-    for layer in cache.layers:
-        if isinstance(layer, KVPackLayer):
-            layer.method = new
+    for layer in cache.compressed_layers():  # a compressed sliding layer runs its own method, without tiers
+        layer.method = new
     return new
 
 
@@ -275,10 +273,9 @@ def apply_archive_bits(cache: KVCache, key_bits: int, value_bits: int) -> Method
         return method
     new = method.with_options(tiers=(*method.tiers[:-1], replace(tier, key=key, value=value)))
     cache.method = new
-    for layer in cache.layers:
-        if isinstance(layer, KVPackLayer):
-            layer.method = new
-            layer.retire_codecs(kind)
+    for layer in cache.compressed_layers():  # a compressed sliding layer runs its own method, without tiers
+        layer.method = new
+        layer.retire_codecs(kind)
     if cache.tracker is not None:
         cache.tracker.forget(kind)
     return new

@@ -200,9 +200,22 @@ class KVCache(Cache):
                 stacklevel=2,
             )
             self.method, needs_rope = fallback, False
+        sliding = self.method.sliding_method()
+        if sliding is not None and any(kind == "sliding_attention" for kind, _ in kinds):
+            _check_codecs(sliding, text, model_type)
         layers = []
         for idx, (kind, window) in enumerate(kinds):
-            if kind in ("sliding_attention", "chunked_attention"):
+            if kind == "sliding_attention" and sliding is not None:
+                if ropes[idx] is None and _uses_positions(sliding):
+                    raise ValueError(
+                        f"sliding-window layers' method {sliding.name!r} reads token positions and needs the rotary embedding of "
+                        f"layer {idx}, which this {model_type!r} model does not give; pass the model itself or use '@sliding=int8'"
+                    )
+                layers.append(KVPackLayer(sliding, idx, config, ropes[idx]))
+                layers[-1].sliding_window = window
+                if placement is not None:
+                    layers[-1].placement = chosen
+            elif kind in ("sliding_attention", "chunked_attention"):
                 layers.append(DynamicSlidingWindowLayer(sliding_window=window))
             elif kind == "full_attention":
                 if ropes[idx] is None and needs_rope:
@@ -272,7 +285,9 @@ class KVCache(Cache):
         return tracker
 
     def compressed_layers(self) -> list[KVPackLayer]:
-        return [layer for layer in self.layers if isinstance(layer, KVPackLayer)]
+        """The full-attention layers kvpack compresses: what a budget splits, a prompt target sizes and `@fisher` places
+        (compressed sliding-window layers hold a bounded window and are not among them)."""
+        return [layer for layer in self.layers if isinstance(layer, KVPackLayer) and layer.sliding_window is None]
 
     def set_budget(self, budget: MemoryBudget | None) -> None:
         """Keep the compressed layers within `budget` from the next forward on (None: no limit).
@@ -424,6 +439,10 @@ class KVCache(Cache):
         self._journal, self._last_layer = [], -1
 
     def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove < 0:  # a sliding layer that dropped tokens refuses any cut: before any layer is cut
+            for layer in self.layers:
+                if isinstance(layer, KVPackLayer) and layer.dropped:
+                    layer.truncate(layer.length + tokens_to_remove)  # raises, naming the limit
         self._forget_journal()
         super().crop(tokens_to_remove)
 
@@ -518,7 +537,7 @@ class KVCache(Cache):
                     total += nbytes
                 # tokens held: evicted ones hold no bytes, so they would inflate the ratio
                 per_token = layer.batch * layer.kv_heads * (layer.head_dim + layer.v_head_dim) * 2
-                fp16 += (layer.length - layer.evicted_tokens) * per_token
+                fp16 += (layer.length - layer.evicted_tokens - layer.dropped) * per_token
                 evicted = max(evicted, layer.evicted_tokens)
                 if oldest is not None:
                     archived = [seg for seg in list(layer.segments) if seg.kind == oldest]

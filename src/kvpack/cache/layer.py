@@ -154,6 +154,10 @@ class KVPackLayer(CacheLayerMixin):
     budget = None  # a kvpack.cache.budget.LayerShare, set by KVCache.set_budget: bytes this layer may hold after a forward
     prompt_target = None  # a kvpack.cache.budget.PromptTarget, set by KVCache for a method with a prompt_ratio
     hold_prompt = False  # True from a `fisher_tail` cache's start until its prompt's widths are placed: flush keeps all
+    # A sliding-window layer's window (set by KVCache for `MethodConfig.sliding`): every token no later query can reach
+    # (older than the newest `sliding_window - 1`) is dropped after each forward. Without kvpack's attention the model's
+    # own attention reads `dequantized()`, whose dropped positions are zeros its sliding-window mask never attends.
+    sliding_window: int | None = None
     # Where blocks go, when they move, what stays exact and what a budget evicts (kvpack.cache.placement); KVCache sets
     # another for `KVCache(..., placement=...)`.
     placement: Placement = DEFAULT_PLACEMENT
@@ -191,6 +195,8 @@ class KVPackLayer(CacheLayerMixin):
         self.anchor_credit = 0.0  # anchors owed to the blocks flushed since the prompt (a fraction of a token carries over)
         # (start, tokens, segment kind) of compressed tokens evicted to keep a memory budget (kvpack.cache.budget)
         self.evicted: tuple[tuple[int, int, str], ...] = ()
+        # Logical tokens [0, dropped) a sliding-window layer no longer holds (they left its window); every later one is held.
+        self.dropped = 0
         # segment kind -> (key, value) relative squared error of its current codecs on the first run they coded after
         # their fit: the reference a tier's refit compares later runs with (kvpack.cache.tiers); replaced, never mutated
         self.tier_fit: dict[str, tuple[float, float]] = {}
@@ -295,7 +301,8 @@ class KVPackLayer(CacheLayerMixin):
             self._check_fits_fp16(peak)
         self._check_codecs_hold(peak)
         key_states, value_states = key_states.to(self.exact_dtype), value_states.to(self.exact_dtype)
-        n_sink = min(max(self.sink_target - self.sink_k.shape[2], 0), key_states.shape[2])
+        # By length, not by the sinks held: a sliding layer drops its sinks once they leave the window, for good.
+        n_sink = min(max(self.sink_target - self.length, 0), key_states.shape[2])
         if n_sink:
             self.sink_k = torch.cat([self.sink_k, key_states[:, :, :n_sink]], dim=2)
             self.sink_v = torch.cat([self.sink_v, value_states[:, :, :n_sink]], dim=2)
@@ -368,6 +375,14 @@ class KVPackLayer(CacheLayerMixin):
         if keep == 0:
             self._reset_state()
             return
+        if self.dropped:
+            # The next query after a cut to `keep` reaches back to keep - window + 1, before what the layer still holds.
+            raise ValueError(
+                f"layer {self.layer_idx} is a sliding-window layer that dropped its first {self.dropped} tokens as they left its "
+                f"window, so cropping it to {keep} tokens would leave the next query without the window before it (as "
+                "transformers' own sliding layers refuse once full); crop before the window fills, or use a method with "
+                "'@sliding=exact'"
+            )
         win_start = self.length - self.win_k.shape[2]
         if keep >= win_start:
             self.win_k, self.win_v = self.win_k[:, :, : keep - win_start], self.win_v[:, :, : keep - win_start]
@@ -446,6 +461,8 @@ class KVPackLayer(CacheLayerMixin):
         self.pending_attention = False
         if self.hold_prompt:  # the prompt stays exact until the cache has placed its key widths (prompt_widths.place)
             return
+        if self.sliding_window is not None:  # before encoding: what leaves the window is never coded
+            self._slide()
         flushed = self._flush_blocks()
         if self.segments:  # after the prompt, a forward's queries serve only its own flush
             self.fit_queries = None
@@ -489,6 +506,33 @@ class KVPackLayer(CacheLayerMixin):
         if self.tracker is not None:  # the only moment the block's originals sit next to its encoding
             self.tracker.on_flush(self, k, v, start)
         return True
+
+    def _slide(self) -> None:
+        """Drop every token older than the newest `sliding_window - 1`: the next query (at position `length`) reaches
+        back `sliding_window - 1` tokens and no further, as transformers' own sliding layer keeps. Sinks go first (a
+        left-padded batch's pads sit there), then the oldest compressed tokens (a segment is cut only at its codecs'
+        token multiple, so a few older tokens may stay; the attention mask hides them), then exact window rows."""
+        keep_from = self.length - (self.sliding_window - 1)
+        n_sink = self.sink_k.shape[2]
+        if keep_from <= max(self.dropped, n_sink):
+            return
+        if n_sink:
+            self.sink_k, self.sink_v = self.sink_k[:, :, :0], self.sink_v[:, :, :0]
+        for seg in list(self.segments):
+            if seg.start + seg.length <= keep_from:
+                self.segments.remove(seg)
+            elif seg.start < keep_from:
+                cut = (keep_from - seg.start) // seg.token_multiple * seg.token_multiple
+                if cut:
+                    self.replace_front(seg, cut)
+        win_start = self.length - self.win_k.shape[2]
+        if keep_from > win_start:
+            cut = keep_from - win_start
+            self.win_k, self.win_v = self.win_k[:, :, cut:], self.win_v[:, :, cut:]
+        first = self.segments[0].start if self.segments else self.length - self.win_k.shape[2]
+        if self.anchors is not None:
+            self.anchors = self.anchors.without(0, first)
+        self.dropped = first
 
     def _value_allowance(self, kc: Codec, k: torch.Tensor, positions: torch.Tensor, anchors: int) -> ByteBudget:
         """What the prompt's value codec may hold for this layer to end the prompt `prompt_ratio` times below fp16: the
@@ -681,6 +725,9 @@ class KVPackLayer(CacheLayerMixin):
     def _dequantized(self, side: str) -> torch.Tensor:
         k = side == "key"
         parts = [self.sink_k if k else self.sink_v]
+        if self.dropped:  # tokens a sliding layer dropped: zeros, which the model's sliding-window mask never reads
+            held = self.win_k if k else self.win_v
+            parts.append(held.new_zeros(held.shape[0], held.shape[1], self.dropped, held.shape[3]))
         for seg in self.segments:
             codec, packed = (seg.key_codec, seg.keys) if k else (seg.value_codec, seg.values)
             decoded = codec.decode(packed, self.positions(seg.start, seg.length))

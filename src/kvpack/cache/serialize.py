@@ -67,11 +67,13 @@ _PACKED_CLASS = re.compile(r"(kvpack(?:\.\w+)+):(\w+(?:\.\w+)*)")
 # `_first_position` (a segment's first RoPE position, cached for the decode kernels) is rebuilt on first use.
 # A `placement` other than the default is not saved: pass it to the loaded cache again, as a budget.
 # `_max_entry` (the largest entry the method's codecs store, `Codec.max_entry`) is rebuilt on the first update.
+# `sliding_window` is rebuilt by KVCache from the model's config; `dropped` (a sliding layer's tokens gone) is saved.
 LAYER_ATTRIBUTES = frozenset({
     "method", "layer_idx", "model_config", "rope", "length", "updates", "sink_k", "sink_v", "win_k", "win_v", "segments",
     "pos_offset", "pad", "pad_max", "_codecs", "pending_attention", "is_initialized", "dtype", "device", "batch", "kv_heads",
     "head_dim", "v_head_dim", "exact_dtype", "keys", "values", "fit_queries", "evicted", "budget", "_first_position",
     "fit_scaling", "anchors", "anchor_credit", "prompt_target", "placement", "_max_entry", "tier_fit", "tier_queries",
+    "dropped", "sliding_window",
 })
 
 
@@ -194,6 +196,8 @@ def _save_kvpack_layer(layer: KVPackLayer, prefix: str, tensors: dict[str, torch
         entry["anchor_credit"] = layer.anchor_credit  # the next flush's share of an anchor, so a loaded cache chooses as the saved one would
     if layer.tier_fit:
         entry["tier_fit"] = {kind: list(errors) for kind, errors in layer.tier_fit.items()}  # a tier's refit reference
+    if layer.dropped:
+        entry["dropped"] = layer.dropped
     return entry
 
 
@@ -348,6 +352,10 @@ def _restore_kvpack_layer(layer: KVPackLayer, entry: dict, tensors: _Tensors, pa
             raise CacheFileError(_corrupted_message(path, f"segment {j} of {tensors.prefix} has {keys.num_tokens} key and {values.num_tokens} value tokens"))
         layer.segments.append(Segment(seg["kind"], kc, vc, keys, values, int(seg["start"])))
     layer.length, layer.updates = int(entry["length"]), int(entry["updates"])
+    layer.dropped = int(entry.get("dropped", 0))
+    if layer.dropped and (layer.sliding_window is None or not 0 < layer.dropped < layer.length or layer.sink_k.shape[2]):
+        raise CacheFileError(_corrupted_message(path, f"{tensors.prefix}: it says {layer.dropped} tokens left a window, which only a "
+                                                      "sliding-window layer without sinks and with later tokens held has"))
     _check_layer_layout(layer, tensors.prefix, path)
     if "anchors" in entry:
         layer.anchors = _load_anchors(layer, int(entry["anchors"]), tensors, path)
@@ -409,8 +417,8 @@ def _checked(t: torch.Tensor, shape: tuple, dtype: torch.dtype, name: str, path:
 
 
 def _check_layer_layout(layer: KVPackLayer, prefix: str, path: Path) -> None:
-    """[sinks][segments, contiguous][window] must cover exactly `length` tokens."""
-    pos = layer.sink_k.shape[2]
+    """[sinks or a sliding layer's dropped tokens][segments, contiguous][window] must cover exactly `length` tokens."""
+    pos = layer.dropped or layer.sink_k.shape[2]
     for seg in layer.segments:
         if seg.start != pos:
             raise CacheFileError(_corrupted_message(path, f"{prefix}: a segment starts at token {seg.start}, expected {pos}"))
@@ -495,7 +503,9 @@ def _registered(method: MethodConfig) -> bool:
 
 def fingerprint(cache: KVCache) -> dict:
     """What a cache's K/V depend on besides the weights: model type, architecture fields and per-layer RoPE hashes."""
-    return config_fingerprint(cache.model_config, [layer.rope if isinstance(layer, KVPackLayer) else None for layer in cache.layers])
+    # Full-attention layers' RoPE, as `model_fingerprint` digests it (a sliding layer's is the config's, checked with it).
+    ropes = [layer.rope if isinstance(layer, KVPackLayer) and layer.sliding_window is None else None for layer in cache.layers]
+    return config_fingerprint(cache.model_config, ropes)
 
 
 def _check_model(meta: dict, model, path: Path) -> None:
