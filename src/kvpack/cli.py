@@ -477,7 +477,7 @@ def cmd_methods(_args) -> int:
     from .registry import DEFAULT_METHOD, list_methods
 
     print("kvpack methods: " + ", ".join(list_methods()))
-    print(f"default:        {DEFAULT_METHOD} (kvpack.DEFAULT_METHOD); any name takes @anchors=P%, @window=N and @seed=N")
+    print(f"default:        {DEFAULT_METHOD} (kvpack.DEFAULT_METHOD); any name takes @anchors=P%, @window=N, @fisher=N, @sliding=METHOD and @seed=N")
     print("                auto:<target>, e.g. auto:1%: per-layer TurboQuant bits for a perplexity target, from the model's "
           "calibration profile (make it once: kvpack calibrate --model NAME); auto:1%/head: widths per kv head")
     print("peers:          " + ", ".join(PEERS))
