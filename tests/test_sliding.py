@@ -7,6 +7,7 @@ real DynamicCache holds for the same tokens (its tensors counted at fp16 size), 
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import pytest
@@ -277,6 +278,31 @@ def test_sliding_layers_draw_from_the_methods_seed():
     assert side.key.options["seed"] == side.value.options["seed"] == 5
     assert side.sink_tokens == 0 and side.anchors == 0
     assert kvpack.get_method("turboquant:k3v2").sliding_method() is None
+
+
+def test_a_seed_draws_the_windows_when_only_they_draw_at_random(enabled):
+    """int8 draws nothing at random, its TurboQuant windows do: `@seed=N` must reach them (and `compare --draws` run
+    them N times), each seed a different rotation of the windows' codes, the same seed the same logits."""
+    from kvpack.cache.serialize import method_from_json, method_to_json
+    from kvpack.cli import expand_draws
+
+    name = "int8@sliding=turboquant:k4v4+ropemean"
+    method = kvpack.get_method(f"{name}@seed=3")
+    assert method.name == f"{name}@seed=3" and method.sliding_seed == 3
+    side = method.sliding_method()
+    assert side.key.options["seed"] == side.value.options["seed"] == 3
+    assert method_from_json(method_to_json(method)) == method
+    assert expand_draws([name], 3) == [f"{name}@seed={s}" for s in range(3)]
+    with pytest.raises(ValueError, match="draws nothing at random"):
+        kvpack.get_method("int8@seed=3")
+    assert method.with_sliding("exact").sliding_seed is None
+    with pytest.raises(ValueError, match="sliding_seed must be None or a non-negative integer"):
+        dataclasses.replace(method, sliding_seed=-1)
+    model = enabled("mistral")  # every layer slides: only the windows' codecs act
+    runs = {seed: _drive(model, kvpack.KVCache(model, f"{name}@seed={seed}"), prompt=300, steps=4) for seed in (3, 4)}
+    again = _drive(model, kvpack.KVCache(model, f"{name}@seed=3"), prompt=300, steps=4)
+    assert torch.equal(again, runs[3])
+    assert not torch.allclose(runs[3], runs[4], atol=1e-5)
 
 
 def test_left_padded_rows_of_a_compressed_sliding_layer_follow_dynamic_cache(enabled):

@@ -118,6 +118,9 @@ class MethodConfig:
         "turboquant:k4v4+ropemean"; name suffix `@sliding=int8`) compresses the window with that method's codecs,
         without sinks or anchors, and drops every token once it leaves the window (`sliding_method`); such a layer
         cannot be cropped once it has dropped tokens (as transformers' own sliding layers refuse once full).
+    sliding_seed: the draw of the sliding-window layers' codecs (set by `@seed=N`); None takes the seed of this method's
+        own codecs, or the sliding method's default when they draw nothing (`int8@sliding=turboquant:k4v4@seed=N` draws
+        only its windows' rotations).
     """
 
     name: str
@@ -135,6 +138,7 @@ class MethodConfig:
     prompt_ratio: float = 0.0
     fisher_tail: int = 0
     sliding: str = EXACT_SLIDING
+    sliding_seed: int | None = None
 
     def __post_init__(self):
         for attr in ("key", "value", "prefill_key", "prefill_value"):
@@ -161,7 +165,13 @@ class MethodConfig:
     def _check_sliding(self) -> None:
         if not isinstance(self.sliding, str):
             raise TypeError(f"sliding must be a str ('{EXACT_SLIDING}' or a method name), got {type(self.sliding).__name__}")
+        seed = self.sliding_seed
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+            raise ValueError(f"sliding_seed must be None or a non-negative integer, got {seed!r}")
         if self.sliding == EXACT_SLIDING:
+            if seed is not None:
+                raise ValueError(f"sliding_seed draws the codecs of compressed sliding-window layers; with sliding={EXACT_SLIDING!r} "
+                                 f"there are none, so leave it None (e.g. '{DEFAULT_METHOD}{SLIDING_SUFFIX}int8')")
             return
         allowed = f"'{EXACT_SLIDING}' (transformers' window, uncompressed) or a method without suffixes, tiers or prompt codecs, e.g. {SLIDING_EXAMPLES}"
         if "@" in self.sliding:
@@ -184,7 +194,9 @@ class MethodConfig:
         if self.sliding == EXACT_SLIDING:
             return None
         base = get_method(self.sliding)
-        seed = next((s.options["seed"] for s in self.specs() if "seed" in s.options), None)
+        seed = self.sliding_seed
+        if seed is None:
+            seed = next((s.options["seed"] for s in self.specs() if "seed" in s.options), None)
         if seed is not None and any(_has_seed(s) for s in base.specs()):
             base = base.with_seed(seed)
         return replace(base, sink_tokens=0, anchors=0.0, exact_dtype=self.exact_dtype)
@@ -264,12 +276,14 @@ class MethodConfig:
         perplexity delta by up to ~1.7 points (docs/guide/evaluation.md, "One draw of the rotation")."""
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
             raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
-        if not any(_has_seed(s) for s in self.specs()):
+        windows = self.sliding != EXACT_SLIDING and any(_has_seed(s) for s in get_method(self.sliding).specs())
+        if not windows and not any(_has_seed(s) for s in self.specs()):
             raise ValueError(f"method {self.name!r} draws nothing at random (none of its codecs takes a seed), so '@seed=' would not change it")
         tiers = tuple(replace(t, key=_seeded(t.key, seed), value=_seeded(t.value, seed)) for t in self.tiers)
         layers = tuple(replace(e, key=_seeded(e.key, seed), value=_seeded(e.value, seed)) for e in self.layer_codecs)
         return replace(self, name=f"{self.name}{SEED_SUFFIX}{seed}", key=_seeded(self.key, seed), value=_seeded(self.value, seed),
-                       prefill_key=_seeded(self.prefill_key, seed), prefill_value=_seeded(self.prefill_value, seed), tiers=tiers, layer_codecs=layers)
+                       prefill_key=_seeded(self.prefill_key, seed), prefill_value=_seeded(self.prefill_value, seed), tiers=tiers, layer_codecs=layers,
+                       sliding_seed=seed if windows else None)
 
     def with_window(self, tokens: int) -> MethodConfig:
         """This method with an exact recent window of `tokens` (the prompt leaves that many; later tokens leave in
@@ -286,7 +300,8 @@ class MethodConfig:
     def with_sliding(self, method: str) -> MethodConfig:
         """This method with its sliding-window layers held as `method` names ("exact", "int8", ...; `sliding`),
         named `name@sliding=METHOD`."""
-        changed = replace(self, sliding=method)  # validates
+        # A window seed drawn earlier stays with compressed windows; exact windows draw nothing.
+        changed = replace(self, sliding=method, sliding_seed=None if method == EXACT_SLIDING else self.sliding_seed)  # validates
         return replace(changed, name=f"{self.name}{SLIDING_SUFFIX}{method}")
 
     def with_anchors(self, fraction: float) -> MethodConfig:
