@@ -2,7 +2,7 @@
 
     python experiments/decode_step_parts.py --model gemma3-270m --context 2048 --steps 128 \
         --methods "turboquant:k3v2+ropemean@anchors=0.5%@window=32,turboquant:k3v2+ropemean@anchors=0.5%@window=32@sliding=int8" \
-        --json bench/results/decode-step-parts-gemma3-270m-2k.json
+        --json bench/results/step-parts-gemma3-270m-2k.json
 
 Each method prefills `--context` tokens of news, takes 16 warm-up steps, then `--steps` teacher-forced steps (the text's
 next tokens), timed whole and with wall-clock accumulators around kvpack's parts: the attention entry point, the
