@@ -18,7 +18,7 @@ from transformers.cache_utils import DynamicSlidingWindowLayer
 
 import kvpack
 from kvpack import support
-from kvpack.cache import serialize
+from kvpack.cache import KVPackLayer, serialize
 from kvpack.cache.serialize import CacheFileError, MissingCacheFileError, load_cache, read_header, save_cache
 from kvpack.codecs.base import Codec
 from kvpack.codecs.pca import PCAConfig, PCAKeyCodec
@@ -192,16 +192,30 @@ def _hybrid():
     return Gemma3ForCausalLM(cfg).eval()
 
 
-@pytest.mark.parametrize("method", ["int8", "shard"])
+@pytest.mark.parametrize("method", ["int8", "shard", "int8@sliding=exact", "shard@sliding=exact"])
 def test_sliding_window_layers_round_trip(method, tmp_path):
     model = _hybrid()
     cache = kvpack.KVCache(model, method)
     seq, _ = _generate(model, _ids(vocab=64), cache, 20)
-    assert isinstance(cache.layers[0], DynamicSlidingWindowLayer) and cache.layers[0].cumulative_length == seq.shape[1] - 1
+    first = cache.layers[0]
+    if method.endswith("exact"):
+        assert isinstance(first, DynamicSlidingWindowLayer) and first.cumulative_length == seq.shape[1] - 1
+    else:  # coded windows by default
+        assert isinstance(first, KVPackLayer) and first.sliding_window and first.length == seq.shape[1] - 1
     save_cache(cache, tmp_path / "c", compress=True)
     loaded = load_cache(tmp_path / "c", model)
     _assert_same_state(cache, loaded)
     assert torch.equal(_generate(model, seq, loaded, 20)[1], _generate(model, seq, cache, 20)[1])
+
+
+def test_a_method_saved_before_windows_could_be_coded_loads_with_exact_windows():
+    """Files written before `MethodConfig.sliding` existed have no such field; their sliding layers were exact."""
+    from kvpack.cache.serialize import method_from_json, method_to_json
+
+    saved = method_to_json(kvpack.get_method("int8@sliding=exact"))
+    del saved["sliding"]
+    assert method_from_json(saved).sliding_method() is None
+    assert method_from_json(method_to_json(kvpack.get_method("int8"))).sliding_method().key.codec == "int8"
 
 
 def test_all_sliding_model_round_trip(tmp_path):

@@ -87,7 +87,7 @@ def test_mistral_without_layer_types_keeps_a_window_like_dynamic_cache():
     reference = DynamicCache(config=model.config)
     expected = _drive(model, reference)
     with pytest.warns(UserWarning, match="sliding-window"):
-        cache = kvpack.KVCache(model, "int8")
+        cache = kvpack.KVCache(model, "int8@sliding=exact")
     assert all(isinstance(layer, DynamicSlidingWindowLayer) for layer in cache.layers)
     got = _drive(model, cache)
     assert torch.equal(got, expected)
@@ -99,7 +99,7 @@ def test_mistral_without_layer_types_keeps_a_window_like_dynamic_cache():
     assert report["fp16_bytes"] < 46 * 2 * 2 * 2 * 16 * 2  # far less than every token of both layers
 
 
-@pytest.mark.parametrize("method", ["fp16", "int8", "kivi:2", "turboquant:k3v2"])
+@pytest.mark.parametrize("method", ["fp16", "int8@sliding=exact", "kivi:2@sliding=exact", "turboquant:k3v2@sliding=exact"])
 def test_hybrid_fp16_bytes_equal_a_real_dynamic_cache(method):
     model = _hybrid()
     reference = DynamicCache(config=model.config)
@@ -162,19 +162,24 @@ def enabled():
 def test_lossless_compressed_sliding_layers_follow_dynamic_cache_and_hold_its_window(kind, enabled):
     """fp16 codes in the sliding layers: the logits of a prompt longer than the window and 200 decode steps past it
     match transformers' DynamicCache (its own sliding layers) to fp16 storage precision, and after every forward a
-    sliding layer holds exactly the tokens transformers' sliding layer holds."""
+    sliding layer holds every token transformers' sliding layer holds and at most a 16th of its window more (the tokens
+    it drops a few at a time; the logits above show they are never read)."""
     model = enabled(kind)
     reference = DynamicCache(config=model.config)
     expected = _drive(model, reference, prompt=300, steps=0)
     cache = kvpack.KVCache(model, "fp16@sliding=fp16")
     got = [_drive(model, cache, prompt=300, steps=0)]
+    extra = set()
     ids = torch.randint(0, 64, (1, 200), generator=torch.Generator().manual_seed(2))
     for t in range(ids.shape[1]):
         with torch.no_grad():
             expected = torch.cat([expected, model(ids[:, t : t + 1], past_key_values=reference).logits[:, -1:]], 1)
             got.append(model(ids[:, t : t + 1], past_key_values=cache).logits[:, -1:])
         held = [layer.length - layer.dropped for layer in cache.layers if layer.sliding_window]
-        assert held == [layer.keys.shape[2] for layer in reference.layers if layer.is_sliding]
+        window = [layer.keys.shape[2] for layer in reference.layers if layer.is_sliding]
+        assert all(w <= h < w + WIDE // 16 for h, w in zip(held, window, strict=True)), (held, window)
+        extra.update(h - w for h, w in zip(held, window, strict=True))
+    assert extra == set(range(WIDE // 16))  # a drop every 12 steps: 0 to 11 tokens past the window, each in turn
     assert torch.allclose(torch.cat(got, 1), expected, atol=2e-3, rtol=0)
     sliding = [layer for layer in cache.layers if layer.sliding_window]
     assert sliding and all(layer.segments for layer in sliding)  # the window's older tokens were coded, not only held exact
@@ -206,6 +211,29 @@ def test_a_sliding_decode_step_takes_the_fused_kernels(enabled, monkeypatch):
     monkeypatch.setattr(attention, "segmented_attention", lambda layer, q, *a, **k: masked.append(layer.layer_idx) or segmented(layer, q, *a, **k))
     _drive_more(model, cache, 3)
     assert masked == []
+
+
+@pytest.mark.parametrize("sliding", ["int8", "turboquant:k4v4"])
+def test_a_fused_sliding_step_leaves_out_the_tokens_past_the_window_as_the_mask_does(enabled, monkeypatch, sliding):
+    """Between drops a sliding layer holds up to a 16th of its window past it; the fused step (no mask) must leave them
+    out exactly as transformers' sliding mask does on the masked path, step for step through a drop."""
+    from kvpack import attention
+
+    model = enabled("mistral")  # every layer sliding
+    ids = torch.randint(0, 64, (1, 30), generator=torch.Generator().manual_seed(5))
+    fused, masked = (kvpack.KVCache(model, f"int8@sliding={sliding}") for _ in range(2))
+    _drive(model, fused, prompt=300, steps=0)
+    _drive(model, masked, prompt=300, steps=0)
+    hidden, got, want = set(), [], []
+    for t in range(ids.shape[1]):
+        with torch.no_grad():
+            got.append(model(ids[:, t : t + 1], past_key_values=fused).logits)
+            hidden.add(fused.layers[0].hidden_front())
+            with monkeypatch.context() as m:
+                m.setattr(attention, "fused_decode", lambda *a, **k: None)  # the masked path over the same codes
+                want.append(model(ids[:, t : t + 1], past_key_values=masked).logits)
+    assert len(hidden) > 5 and 0 in hidden  # tokens past the window were held, and dropped, along the way
+    torch.testing.assert_close(torch.cat(got), torch.cat(want), atol=1e-4, rtol=1e-4)
 
 
 def _drive_more(model, cache, steps: int) -> None:
@@ -253,7 +281,8 @@ def test_without_kvpack_attention_a_compressed_sliding_layer_still_holds_only_it
         warnings.simplefilter("ignore")  # the dequantizing path warns once
         got = _drive(model, cache, prompt=300, steps=3)
     layer = cache.layers[0]
-    assert layer.length == 303 and layer.length - layer.dropped == reference.layers[0].keys.shape[2] == WIDE - 1
+    # the prompt's forward dropped all but the window; three steps later three more tokens wait for the next drop
+    assert layer.length == 303 and layer.length - layer.dropped == reference.layers[0].keys.shape[2] + 3 == WIDE + 2
     assert torch.allclose(got, expected, atol=2e-3, rtol=0)
 
 
@@ -277,7 +306,28 @@ def test_sliding_layers_draw_from_the_methods_seed():
     side = method.sliding_method()
     assert side.key.options["seed"] == side.value.options["seed"] == 5
     assert side.sink_tokens == 0 and side.anchors == 0
-    assert kvpack.get_method("turboquant:k3v2").sliding_method() is None
+    assert kvpack.get_method("turboquant:k3v2@sliding=exact").sliding_method() is None
+
+
+@pytest.mark.parametrize(("name", "windows"), [
+    (kvpack.DEFAULT_METHOD, "int8"), ("turboquant:k3v2", "int8"), ("shard", "int8"), ("tiered:1024:shard", "int8"),
+    ("fp16", None),  # lossless: its windows stay as exact as its other layers
+    (f"{kvpack.DEFAULT_METHOD}@fisher=32", None),  # reads every prompt token's K/V after the prefill
+    ("turboquant:k3v2@sliding=exact", None), ("turboquant:k3v2@sliding=turboquant:k4v4", "turboquant"),
+])
+def test_sliding_windows_are_coded_in_int8_unless_the_method_cannot_use_them(name, windows, enabled):
+    """By default ("auto") a sliding-window layer holds int8 rows; exact windows where the method is lossless, where it
+    reads the whole prompt after the prefill, or where asked for. The layers built on a Gemma-3 model follow."""
+    method = kvpack.get_method(name)
+    side = method.sliding_method()
+    assert (side and side.key.codec) == windows
+    assert name.endswith("@sliding=exact") or "@sliding=auto" not in method.name  # the default adds no suffix
+    cache = kvpack.KVCache(enabled("gemma3"), method)
+    first = cache.layers[0]
+    if windows is None:
+        assert isinstance(first, DynamicSlidingWindowLayer)
+    else:
+        assert isinstance(first, KVPackLayer) and first.sliding_window == WIDE and first.method.key.codec == windows
 
 
 def test_a_seed_draws_the_windows_when_only_they_draw_at_random(enabled):

@@ -153,16 +153,30 @@ def fused_decode(layer: KVPackLayer, query: torch.Tensor, scaling: float) -> tor
         # copies ~6 us. The adaptive boundary (`tracker`) reads each part's mass, so it keeps them apart.
         exact = [("exact", torch.cat([k for _, k, _ in exact], 2), torch.cat([v for _, _, v in exact], 2))]
     segments = []
-    for seg in layer.segments:
+    hidden = layer.hidden_front()  # a sliding layer's oldest held tokens, past the query's window: left out like anchors
+    for i, seg in enumerate(layer.segments):
         skip = None if a is None else a.skip_in(seg)
+        if i == 0 and hidden:  # a compressed sliding layer holds no anchors (`MethodConfig.sliding_method`)
+            skip = _front(hidden, q.device)
         part = table.segment_partial(q, seg, scaling, _first_position(layer, seg), skip)
-        segments.append(part if part is not None else _codec_partial(layer, seg, query, scaling))
+        segments.append(part if part is not None else _codec_partial(layer, seg, query, scaling, skip))
     if layer.tracker is None and len(exact) == 1:  # the exact rows' partial and the merge in one call (one launch on CUDA)
         return ungroup(table.merge_with_exact(q, exact[0][1], exact[0][2], scaling, segments), hq)
     parts = [table.exact_partial(q, k, v, scaling) for _, k, v in exact] + segments
     if layer.tracker is not None:  # attention mass per part, from the partials: the adaptive boundary's live signal
         layer.tracker.on_decode(layer, [kind for kind, _, _ in exact] + [seg.kind for seg in layer.segments], parts)
     return ungroup(table.merge(parts), hq)
+
+
+_FRONT: dict[torch.device, torch.Tensor] = {}
+
+
+def _front(n: int, device: torch.device) -> torch.Tensor:
+    """Offsets `0 .. n-1` `(n,)` int64 on `device`: a view of one tensor kept per device (a step asks every sliding layer)."""
+    held = _FRONT.get(device)
+    if held is None or held.numel() < n:
+        held = _FRONT[device] = torch.arange(max(n, 1024), device=device)
+    return held[:n]
 
 
 def _skip_anchors(layer: KVPackLayer, seg, s: torch.Tensor) -> torch.Tensor:
@@ -176,10 +190,13 @@ def _first_position(layer: KVPackLayer, seg):
     return lambda: layer.first_position(seg.start)
 
 
-def _codec_partial(layer: KVPackLayer, seg, query: torch.Tensor, scaling: float) -> table.Partial:
-    """A segment without a table entry: its codecs' `scores` / `weighted_sum`, as a grouped partial (anchors left out)."""
+def _codec_partial(layer: KVPackLayer, seg, query: torch.Tensor, scaling: float, skip: torch.Tensor | None) -> table.Partial:
+    """A segment without a table entry: its codecs' `scores` / `weighted_sum`, as a grouped partial, the tokens at
+    offsets `skip (S,)` (anchors, a sliding layer's tokens past the window) left out."""
     q_pos = layer.positions(layer.length - query.shape[2], query.shape[2])
-    s = _skip_anchors(layer, seg, seg.key_codec.scores(query, seg.keys, q_pos, layer.positions(seg.start, seg.length)) * scaling)
+    s = seg.key_codec.scores(query, seg.keys, q_pos, layer.positions(seg.start, seg.length)) * scaling
+    if skip is not None:
+        s = s.index_fill(-1, skip.to(s.device), float("-inf"))
     m = s.amax(-1, keepdim=True)
     p = torch.exp(s - m)
     o = seg.value_codec.weighted_sum(p, seg.values)
@@ -206,12 +223,17 @@ def kvpack_attention_forward(module, query, key, value, attention_mask, dropout:
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
     layer.set_positions(kwargs.get("position_ids"), query.shape[2])
     out = None
-    if attention_mask is not None and layer.dropped and query.shape[2] == 1 and attention_mask.shape[-1] == layer.length:
-        # A sliding layer's decode step: the window's mask is all True over the tokens the layer still holds (it drops
-        # what the window leaves), so the step is the unmasked one and takes the fused kernels.
-        if bool(attention_mask[..., layer.dropped:].all()):
-            attention_mask = None
-    if attention_mask is None and kwargs.get("softcap") is None:
+    fused_mask = attention_mask
+    if attention_mask is not None and layer.sliding_window is not None and query.shape[2] == 1 and attention_mask.shape[-1] == layer.length:
+        # A sliding layer's decode step: the window's mask is all True from the query's window on, and the layer holds
+        # nothing older but the few tokens it has yet to drop, which the fused step leaves out (`hidden_front`); so the
+        # step is the unmasked one and takes the fused kernels. Only they leave those tokens out: a step the fused
+        # kernels do not take keeps the mask.
+        hidden = layer.hidden_front()
+        visible = layer.segments[0].start + hidden if hidden else layer.dropped
+        if bool(attention_mask[..., visible:].all()):
+            fused_mask = None
+    if fused_mask is None and kwargs.get("softcap") is None:
         out = fused_decode(layer, query, scaling)
     if out is None:
         out = segmented_attention(layer, query, attention_mask, scaling, kwargs.get("softcap"))

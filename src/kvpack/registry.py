@@ -86,6 +86,10 @@ class LayerCodecs:
 
 
 EXACT_SLIDING = "exact"  # `MethodConfig.sliding`: sliding-window layers keep transformers' own window, uncompressed
+AUTO_SLIDING = "auto"  # `MethodConfig.sliding`'s default: `AUTO_SLIDING_METHOD` rows, or "exact" where those cannot serve
+# What "auto" codes a sliding window with: per-token int8 rows, which cost Gemma-3 nothing measurable (+1.12% against +1.14%
+# with the exact fp32 window at 2K, three draws) for a third of the bytes (docs/guide/methods.md, "Sliding-window layers").
+AUTO_SLIDING_METHOD = "int8"
 SLIDING_EXAMPLES = "'int8', 'turboquant:k4v4+ropemean'"
 
 
@@ -113,11 +117,13 @@ class MethodConfig:
         prompt's last N tokens are run again with gradients w.r.t. the earlier tokens' cached K/V, and the keys of the
         layers that signal ranks most sensitive get a fourth bit, paid for by the keys of the least sensitive at two,
         so the bytes stay the method's (kvpack/cache/prompt_widths.py). Needs 3-bit TurboQuant keys. 0: off.
-    sliding: what a sliding-window layer (Gemma-3's local layers, Mistral-style configs) holds: "exact" keeps
-        transformers' bounded window in the model's dtype; a registered method name (e.g. "int8",
-        "turboquant:k4v4+ropemean"; name suffix `@sliding=int8`) compresses the window with that method's codecs,
-        without sinks or anchors, and drops every token once it leaves the window (`sliding_method`); such a layer
-        cannot be cropped once it has dropped tokens (as transformers' own sliding layers refuse once full).
+    sliding: what a sliding-window layer (Gemma-3's local layers, Mistral-style configs) holds: "auto" (the default)
+        is "int8" (`AUTO_SLIDING_METHOD`), or "exact" for a lossless method or one with `fisher_tail`
+        (`resolved_sliding`); "exact" (name suffix `@sliding=exact`) keeps transformers' bounded window in the model's
+        dtype; a registered method name (e.g. "int8", "turboquant:k4v4+ropemean"; name suffix `@sliding=int8`)
+        compresses the window with that method's codecs, without sinks or anchors, and drops every token once it
+        leaves the window (`sliding_method`); such a layer cannot be cropped once it has dropped tokens (as
+        transformers' own sliding layers refuse once full).
     sliding_seed: the draw of the sliding-window layers' codecs (set by `@seed=N`); None takes the seed of this method's
         own codecs, or the sliding method's default when they draw nothing (`int8@sliding=turboquant:k4v4@seed=N` draws
         only its windows' rotations).
@@ -137,7 +143,7 @@ class MethodConfig:
     anchors: float = 0.0
     prompt_ratio: float = 0.0
     fisher_tail: int = 0
-    sliding: str = EXACT_SLIDING
+    sliding: str = AUTO_SLIDING
     sliding_seed: int | None = None
 
     def __post_init__(self):
@@ -164,16 +170,19 @@ class MethodConfig:
 
     def _check_sliding(self) -> None:
         if not isinstance(self.sliding, str):
-            raise TypeError(f"sliding must be a str ('{EXACT_SLIDING}' or a method name), got {type(self.sliding).__name__}")
+            raise TypeError(f"sliding must be a str ('{AUTO_SLIDING}', '{EXACT_SLIDING}' or a method name), got {type(self.sliding).__name__}")
         seed = self.sliding_seed
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
             raise ValueError(f"sliding_seed must be None or a non-negative integer, got {seed!r}")
-        if self.sliding == EXACT_SLIDING:
+        if self.resolved_sliding == EXACT_SLIDING:
             if seed is not None:
-                raise ValueError(f"sliding_seed draws the codecs of compressed sliding-window layers; with sliding={EXACT_SLIDING!r} "
-                                 f"there are none, so leave it None (e.g. '{DEFAULT_METHOD}{SLIDING_SUFFIX}int8')")
+                raise ValueError(f"sliding_seed draws the codecs of compressed sliding-window layers; with exact windows "
+                                 f"there are none, so leave it None (e.g. '{DEFAULT_METHOD}{SLIDING_SUFFIX}turboquant:k4v4')")
             return
-        allowed = f"'{EXACT_SLIDING}' (transformers' window, uncompressed) or a method without suffixes, tiers or prompt codecs, e.g. {SLIDING_EXAMPLES}"
+        if self.sliding == AUTO_SLIDING:
+            return
+        allowed = (f"'{AUTO_SLIDING}' (the default), '{EXACT_SLIDING}' (transformers' window, uncompressed) or a method without "
+                   f"suffixes, tiers or prompt codecs, e.g. {SLIDING_EXAMPLES}")
         if "@" in self.sliding:
             raise ValueError(f"sliding must be {allowed}; got {self.sliding!r}")
         try:
@@ -187,13 +196,23 @@ class MethodConfig:
             raise ValueError(f"method {self.name!r}: '{FISHER_SUFFIX}' reads every prompt token's cached K/V after the prefill, and a "
                              f"compressed sliding layer drops them as they leave its window; use '{SLIDING_SUFFIX}{EXACT_SLIDING}' with it")
 
+    @property
+    def resolved_sliding(self) -> str:
+        """What `sliding` comes to: itself, or for "auto" `AUTO_SLIDING_METHOD`, except "exact" for a lossless method (its
+        windows stay as exact as its other layers) and for `fisher_tail` (which reads every prompt token's K/V after the
+        prefill, where a coded window has dropped them)."""
+        if self.sliding != AUTO_SLIDING:
+            return self.sliding
+        return EXACT_SLIDING if self.lossless or self.fisher_tail else AUTO_SLIDING_METHOD
+
     def sliding_method(self) -> MethodConfig | None:
-        """The config a compressed sliding-window layer runs, or None when `sliding` is "exact": the named method with
-        no sinks and no anchors (a token leaves the window for good, so neither would be read for long), this method's
-        exact dtype, and its codecs drawn from this method's seed (one `@seed=N` draws every layer)."""
-        if self.sliding == EXACT_SLIDING:
+        """The config a compressed sliding-window layer runs, or None when its windows are exact (`resolved_sliding`): the
+        named method with no sinks and no anchors (a token leaves the window for good, so neither would be read for
+        long), this method's exact dtype, and its codecs drawn from this method's seed (one `@seed=N` draws every layer)."""
+        sliding = self.resolved_sliding
+        if sliding == EXACT_SLIDING:
             return None
-        base = get_method(self.sliding)
+        base = get_method(sliding)
         seed = self.sliding_seed
         if seed is None:
             seed = next((s.options["seed"] for s in self.specs() if "seed" in s.options), None)
@@ -276,7 +295,8 @@ class MethodConfig:
         perplexity delta by up to ~1.7 points (docs/guide/evaluation.md, "One draw of the rotation")."""
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
             raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
-        windows = self.sliding != EXACT_SLIDING and any(_has_seed(s) for s in get_method(self.sliding).specs())
+        sliding = self.resolved_sliding
+        windows = sliding != EXACT_SLIDING and any(_has_seed(s) for s in get_method(sliding).specs())
         if not windows and not any(_has_seed(s) for s in self.specs()):
             raise ValueError(f"method {self.name!r} draws nothing at random (none of its codecs takes a seed), so '@seed=' would not change it")
         tiers = tuple(replace(t, key=_seeded(t.key, seed), value=_seeded(t.value, seed)) for t in self.tiers)
@@ -298,7 +318,7 @@ class MethodConfig:
         return replace(changed, name=f"{self.name}{FISHER_SUFFIX}{tail}")
 
     def with_sliding(self, method: str) -> MethodConfig:
-        """This method with its sliding-window layers held as `method` names ("exact", "int8", ...; `sliding`),
+        """This method with its sliding-window layers held as `method` names ("exact", "int8", "auto", ...; `sliding`),
         named `name@sliding=METHOD`."""
         # A window seed drawn earlier stays with compressed windows; exact windows draw nothing.
         changed = replace(self, sliding=method, sliding_seed=None if method == EXACT_SLIDING else self.sliding_seed)  # validates

@@ -232,8 +232,9 @@ class KVCache(Cache):
                 raise ValueError(f"layer {idx} of {model_type!r} has type {kind!r}; kvpack handles full and sliding attention only")
         if not any(isinstance(layer, KVPackLayer) for layer in layers):
             warnings.warn(
-                f"every layer of this {model_type!r} model is sliding-window (window {kinds[0][1]}): like DynamicCache, kvpack keeps "
-                "only the window, uncompressed, and compresses nothing",
+                f"every layer of this {model_type!r} model is sliding-window (window {kinds[0][1]}) and method {self.method.name!r} "
+                "keeps the windows exact: like DynamicCache, kvpack keeps only the window, uncompressed, and compresses nothing; "
+                "drop '@sliding=exact' (or name a method with '@sliding=METHOD') to code the windows",
                 stacklevel=2,
             )
         super().__init__(layers=layers)
@@ -537,7 +538,10 @@ class KVCache(Cache):
                     total += nbytes
                 # tokens held: evicted ones hold no bytes, so they would inflate the ratio
                 per_token = layer.batch * layer.kv_heads * (layer.head_dim + layer.v_head_dim) * 2
-                fp16 += (layer.length - layer.evicted_tokens - layer.dropped) * per_token
+                held = layer.length - layer.evicted_tokens - layer.dropped
+                if layer.sliding_window is not None:  # what transformers' sliding layer keeps, not the few yet to drop
+                    held = min(held, layer.sliding_window - 1)
+                fp16 += held * per_token
                 evicted = max(evicted, layer.evicted_tokens)
                 if oldest is not None:
                     archived = [seg for seg in list(layer.segments) if seg.kind == oldest]

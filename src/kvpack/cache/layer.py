@@ -54,6 +54,11 @@ FIT_QUERIES = 128
 # Chunks `tier_queries` holds before they are folded into one: each decode step adds a one-row chunk, and walking
 # 128 of them on every step cost ~70 us a layer (2 ms a step on SmolLM2's 30 layers).
 TIER_QUERY_CHUNKS = 16
+# A sliding-window layer drops the tokens that left its window once they are this share of the window (1/16: 32 of
+# Gemma-3's 512) rather than every step: a drop swaps in a copy of the segment less its front (a snapshot may hold
+# the old one), ~0.12 ms a layer a step, and the tokens held past the window until then are left out of every read
+# (`hidden_front`), so the layer holds at most a 16th more than its window.
+SLIDE_SLACK_DIVISOR = 16
 
 
 def deepcopy_sharing(obj, memo: dict, *shared) -> object:
@@ -155,7 +160,8 @@ class KVPackLayer(CacheLayerMixin):
     prompt_target = None  # a kvpack.cache.budget.PromptTarget, set by KVCache for a method with a prompt_ratio
     hold_prompt = False  # True from a `fisher_tail` cache's start until its prompt's widths are placed: flush keeps all
     # A sliding-window layer's window (set by KVCache for `MethodConfig.sliding`): every token no later query can reach
-    # (older than the newest `sliding_window - 1`) is dropped after each forward. Without kvpack's attention the model's
+    # (older than the newest `sliding_window - 1`) is dropped after a forward, a few at a time (`SLIDE_SLACK_DIVISOR`;
+    # attention leaves out the ones still held, `hidden_front`). Without kvpack's attention the model's
     # own attention reads `dequantized()`, whose dropped positions are zeros its sliding-window mask never attends.
     sliding_window: int | None = None
     # Where blocks go, when they move, what stays exact and what a budget evicts (kvpack.cache.placement); KVCache sets
@@ -516,6 +522,11 @@ class KVPackLayer(CacheLayerMixin):
         n_sink = self.sink_k.shape[2]
         if keep_from <= max(self.dropped, n_sink):
             return
+        if not n_sink and self.segments:
+            first = self.segments[0]
+            slack = max(1, self.sliding_window // SLIDE_SLACK_DIVISOR)
+            if keep_from - first.start < slack and keep_from < first.start + first.length:
+                return  # the few tokens past the window stay, at the front of the first segment, until there are `slack`
         if n_sink:
             self.sink_k, self.sink_v = self.sink_k[:, :, :0], self.sink_v[:, :, :0]
         for seg in list(self.segments):
@@ -533,6 +544,17 @@ class KVPackLayer(CacheLayerMixin):
         if self.anchors is not None:
             self.anchors = self.anchors.without(0, first)
         self.dropped = first
+
+    def hidden_front(self, query_rows: int = 1) -> int:
+        """Tokens at the front of the first segment that the last `query_rows` queries may not read: a sliding-window
+        layer drops what left its window only every few steps (`SLIDE_SLACK_DIVISOR`), so until then the oldest held
+        tokens lie outside the window of the newest query (at position `length - 1`, reading back `sliding_window - 1`).
+        0 for a full-attention layer, or when every held token is in the window."""
+        if self.sliding_window is None or not self.segments or self.sink_k.shape[2]:
+            return 0
+        first = self.segments[0]
+        hidden = self.length - query_rows + 1 - self.sliding_window - first.start
+        return min(max(hidden, 0), first.length)
 
     def _value_allowance(self, kc: Codec, k: torch.Tensor, positions: torch.Tensor, anchors: int) -> ByteBudget:
         """What the prompt's value codec may hold for this layer to end the prompt `prompt_ratio` times below fp16: the

@@ -34,7 +34,7 @@ from transformers.cache_utils import DynamicSlidingWindowLayer
 from .._optional import MissingDependency, install_line
 from ..codecs.base import Packed
 from ..codecs.rows import RowsCodec
-from ..registry import CODECS, CodecSpec, LayerCodecs, MethodConfig, Tier, get_method
+from ..registry import CODECS, EXACT_SLIDING, CodecSpec, LayerCodecs, MethodConfig, Tier, get_method
 from ..support import VERSION, atomic_write, jsonable, model_fingerprint
 from ..support import fingerprint as config_fingerprint
 from .anchors import AnchorSet
@@ -486,6 +486,7 @@ def _spec_json(spec: CodecSpec) -> dict:
 def method_from_json(data: dict) -> MethodConfig:
     names = {f.name for f in dataclasses.fields(MethodConfig)}
     kwargs = {k: CodecSpec(v["codec"], dict(v["options"])) if isinstance(v, dict) else v for k, v in data.items() if k in names}
+    kwargs.setdefault("sliding", EXACT_SLIDING)  # a file from before sliding windows could be coded held them exact
     spec = lambda v: CodecSpec(v["codec"], dict(v["options"]))  # noqa: E731
     kwargs["tiers"] = tuple(Tier(spec(t["key"]), spec(t["value"]), int(t["after"]), int(t.get("fit_tokens", 0)), t.get("refit", 0.0))
                             for t in data.get("tiers", ()))
