@@ -542,3 +542,15 @@ def test_exact_merge_is_softmax_attention_over_every_row():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="same partials"):
         reference.exact_merge(q, *chunks[0], 0.125, [parts[0][0]], [], [])
+    # The op on CPU (its C++ kernel when built: the exact rows' partial and the merge in one call), fp32 and fp16 rows,
+    # against the same softmax; with no other part it is attention over the exact rows alone.
+    if cpu_lut.available():
+        assert ops.implementation("exact_merge", torch.device("cpu")) is ops._CPU_ADAPTERS["exact_merge"]
+    for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 2e-3)):
+        rows = [c.to(dtype) for c in chunks[0]]
+        exact = torch.cat([rows[0].float(), chunks[1][0]], 2), torch.cat([rows[1].float(), chunks[1][1]], 2)
+        want = torch.softmax(q @ exact[0].mT * 0.125, -1) @ exact[1]
+        got = ops.run("exact_merge", q, *rows, 0.125, *(list(x) for x in zip(*parts, strict=True)))
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+        alone = torch.softmax(q @ rows[0].float().mT * 0.125, -1) @ rows[1].float()
+        torch.testing.assert_close(ops.run("exact_merge", q, *rows, 0.125, [], [], []), alone, rtol=tol, atol=tol)

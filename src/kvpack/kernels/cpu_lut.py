@@ -424,6 +424,14 @@ def pca_vq_attention(q, pos0, keys: dict, k_codes, v_state: dict, v_idx, v_norm,
     )
 
 
+def exact_merge(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, ms: list[torch.Tensor], ls: list[torch.Tensor],
+                os_: list[torch.Tensor]) -> torch.Tensor:
+    """`merge_partials` of [`dense_attention` over fp16 / fp32 rows `k`, `v` `(B, H, T, d)`, *parts] in one call: the
+    normalized attention `(B, H, R, dv)` f32 (`reference.exact_merge`). q `(B, H, R, d)` f32; the parts' m, l
+    `(B, H, R, 1)`, o `(B, H, R, dv)` f32."""
+    return extension().exact_merge(q, k, v, float(scale), list(ms), list(ls), list(os_))
+
+
 def merge_partials(ms: list[torch.Tensor], ls: list[torch.Tensor], os_: list[torch.Tensor]) -> torch.Tensor:
     """Normalized attention `(B, H, R, d)` f32 from parts' partials m, l `(B, H, R, 1)`, o `(B, H, R, d)` f32:
     `Σ_i e^(m_i - M) o_i / Σ_i e^(m_i - M) l_i` with `M = max_i m_i` (one call instead of ~10 torch ops)."""

@@ -327,11 +327,19 @@ exact_attention = define(
     cpu=_exact_cpu,
 )
 
+def _exact_merge_cpu(q, k, v, scale, m, l, o):  # noqa: E741
+    """`cpu_lut.exact_merge` over fp16 or fp32 rows; other dtypes and empty rows take the reference."""
+    if q.dtype != torch.float32 or k.shape[2] == 0 or k.dtype not in (torch.float16, torch.float32) or v.dtype != k.dtype:
+        return reference.exact_merge(q, k, v, scale, m, l, o)
+    return cpu_lut.exact_merge(q, k, v, scale, m, l, o)
+
+
 exact_merge = define(
     "exact_merge",
     "(Tensor q, Tensor k, Tensor v, float scale, Tensor[] m, Tensor[] l, Tensor[] o) -> Tensor",
     reference.exact_merge,
     lambda q, k, v, *args: q.new_empty((*q.shape[:3], v.shape[-1]), dtype=torch.float32),
+    cpu=_exact_merge_cpu,
     triton="triton_attention",
 )
 

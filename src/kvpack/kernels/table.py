@@ -157,8 +157,7 @@ def _cpp(t: torch.Tensor) -> bool:
 
 
 def merge_with_exact(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, parts: list[Partial]) -> torch.Tensor:
-    """`merge([exact_partial(q, k, v, scale), *parts])`: the exact rows' partial and the merge of every part. On CPU two
-    C++ calls; elsewhere one `kvpack::exact_merge` op (on CUDA one Triton launch where the torch ops took ~20)."""
-    if _cpp(q):
-        return merge([exact_partial(q, k, v, scale), *parts])
+    """`merge([exact_partial(q, k, v, scale), *parts])`: the exact rows' partial and the merge of every part, as one
+    `kvpack::exact_merge` op (one C++ call on CPU where two calls and their Python took ~30 us a layer; on CUDA one
+    Triton launch where the torch ops took ~20)."""
     return ops.run("exact_merge", q, k, v, scale, [p[0] for p in parts], [p[1] for p in parts], [p[2] for p in parts])

@@ -107,6 +107,20 @@ std::vector<torch::Tensor> dense_attention(torch::Tensor q, torch::Tensor k, tor
   return out;
 }
 
+// A decode step's last stage in one call: the partial over uncompressed rows k, v (B, H, T, d) fp16 / fp32 (the sinks,
+// window and anchors), merged with the segments' partials (ms, ls, os) into the normalized output (B, H, R, dv) f32.
+// The same two kernels as dense_attention then merge_partials, without the round trip into Python between them.
+torch::Tensor exact_merge(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale, std::vector<torch::Tensor> ms,
+                          std::vector<torch::Tensor> ls, std::vector<torch::Tensor> os) {
+  TORCH_CHECK(ms.size() == ls.size() && ms.size() == os.size(), "exact_merge needs one (m, l, o) per part");
+  const auto none = torch::empty({0}, q.options());
+  auto exact = dense_attention(q, k, none, v, none, scale, torch::empty({0}, q.options().dtype(at::kLong)));
+  ms.insert(ms.begin(), exact[0]);
+  ls.insert(ls.begin(), exact[1]);
+  os.insert(os.begin(), exact[2]);
+  return merge_partials(ms, ls, os);
+}
+
 // Online-softmax partial over a paged pool's int8 rows (PagedPool): q (B, H, R, d) f32, pool (blocks, H, bs, C) uint8,
 // block_table (B, M) int64, start/end (B,) int64 each sequence's token range, offsets (k_scale, v_scale, k_codes,
 // v_codes) bytes within a row (d int8 codes a side, fp16 scales). Rows widened in L1 (rows_attention_impl); tokens
@@ -163,5 +177,6 @@ KVPACK_BIND(m) {
   m.def("int8_scores", &int8_scores, "q . int8 codes, per-token scale factored out");
   m.def("int8_weighted_sum", &int8_weighted_sum, "sum_t p * scale * int8 codes");
   m.def("dense_attention", &dense_attention, "online-softmax partial (m, l, o) over int8 (scaled), fp16 or fp32 K/V");
+  m.def("exact_merge", &exact_merge, "the partial over fp16 / fp32 rows merged with other parts' partials: normalized attention");
   m.def("int8_paged_attention", &int8_paged_attention, "online-softmax partial (m, l, o) over a paged pool's int8 rows, read through a block table");
 }
