@@ -481,8 +481,10 @@ def _assert_same_layers(kv: kvpack.KVCache, dyn: DynamicCache) -> None:
 @pytest.mark.parametrize("method", METHODS)
 def test_sliding_window_cache(method):
     """Source: a fully sliding cache (window 4) within the window, sliding by one, and a prompt longer than
-    the window. Adapted: kvpack's cache for a config whose every layer slides must be DynamicCache's."""
+    the window. Adapted: kvpack's cache for a config whose every layer slides, with transformers' exact windows
+    (`@sliding=exact`; coded windows are tests/test_sliding.py's), must be DynamicCache's."""
     model = _gemma2(["sliding_attention"], sliding_window=4)
+    method = f"{method}@sliding=exact"
     with pytest.warns(UserWarning, match="sliding-window"):
         _cache_pair(model, method)  # every layer slides: nothing to compress, and kvpack says so
     scenarios = [((1.0, 2.0), (3.0,)), ((1.0, 2.0, 3.0, 4.0), (5.0,)), ((1.0, 2.0, 3.0, 4.0, 5.0, 6.0),)]
@@ -561,9 +563,9 @@ def test_dynamic_cache_batch_select_indices(llama, method, indices):
 @pytest.mark.parametrize("method", METHODS)
 def test_hybrid_cache(method):
     """Source: a static layer next to a sliding layer (window 2), prompt longer than the window, then one token.
-    Adapted: kvpack's full layer and transformers' sliding layer against DynamicCache(config)."""
+    Adapted: kvpack's full layer and transformers' sliding layer (`@sliding=exact`) against DynamicCache(config)."""
     model = _gemma2(["full_attention", "sliding_attention"], sliding_window=2)
-    pair = _cache_pair(model, method)
+    pair = _cache_pair(model, f"{method}@sliding=exact")
     for full, sliding in (((1.0, 2.0, 3.0), (10.0, 20.0, 30.0)), ((5.0,), (50.0,))):
         for idx, values in enumerate((full, sliding)):
             ours, theirs = _update_both(pair, idx, *values)

@@ -327,6 +327,7 @@ exact_attention = define(
     cpu=_exact_cpu,
 )
 
+
 def _exact_merge_cpu(q, k, v, scale, m, l, o):  # noqa: E741
     """`cpu_lut.exact_merge` over fp16 or fp32 rows; other dtypes and empty rows take the reference."""
     if q.dtype != torch.float32 or k.shape[2] == 0 or k.dtype not in (torch.float16, torch.float32) or v.dtype != k.dtype:
