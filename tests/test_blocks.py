@@ -114,7 +114,7 @@ def test_an_update_that_attention_never_read_is_a_loud_error():
 
 
 @pytest.mark.skipif(not cpu_lut.available(), reason="CPU kernels not built")
-@pytest.mark.parametrize("method", ["turboquant:k3v2", "turboquant:k4v4", "turboquant:k3v3", "int8", "shard", "kivi:4", "fp16"])
+@pytest.mark.parametrize("method", ["turboquant:k3v2", "turboquant:k4v4", "turboquant:k3v3", "int8", "int8:rotated", "shard", "kivi:4", "fp16"])
 @pytest.mark.parametrize("gqa", [1, 3])
 def test_fused_decode_equals_segmented_attention(method, gqa):
     layer, _, _ = _layer(method, 4 + 64 * 9 + 21, b=2)

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from kvpack.codecs.int8 import Int8Codec, Int8Config
+from kvpack.codecs.int8_rotated import RotatedInt8Codec, RotatedInt8Config
 from kvpack.codecs.turboquant import TurboQuantCodec, TurboQuantConfig
 from kvpack.kernels import cpu_lut, reference
 from kvpack.primitives.kmeans import d2_picks as kmeans_d2_picks
@@ -212,13 +213,14 @@ def test_the_installed_build_is_found_as_built():
 # -- codecs: kernel path equals torch path ---------------------------------------------------------
 CODEC_CASES = [
     ("turboquant", TurboQuantConfig(bits=b, qjl=qjl), d) for b in (1, 2, 3, 4) for qjl in (False, True) for d in (64, 80)
-] + [("turboquant", TurboQuantConfig(bits=3, rotation="hadamard"), 80), ("int8", Int8Config(), 64), ("int8", Int8Config(), 80)]
+] + [("turboquant", TurboQuantConfig(bits=3, rotation="hadamard"), 80), ("int8", Int8Config(), 64), ("int8", Int8Config(), 80)] + [
+    ("int8_rotated", RotatedInt8Config(seed=2), 64), ("int8_rotated", RotatedInt8Config(seed=2), 80)]
 
 
 @pytest.mark.parametrize("name,config,d", CODEC_CASES, ids=[f"{n}-{c}-d{d}" for n, c, d in CODEC_CASES])
 def test_codec_kernel_path_equals_torch_path(monkeypatch, name, config, d):
     torch.manual_seed(0)
-    codec = TurboQuantCodec(config, d, 2, layer_idx=1) if name == "turboquant" else Int8Codec(config, d, 2)
+    codec = {"turboquant": TurboQuantCodec, "int8": Int8Codec, "int8_rotated": RotatedInt8Codec}[name](config, d, 2, layer_idx=1)
     packed = codec.encode(torch.randn(2, 2, 217, d))
     query, probs = torch.randn(2, 6, 2, d), torch.softmax(torch.randn(2, 6, 2, 217), -1)
     monkeypatch.setenv("KVPACK_KERNELS", "torch")

@@ -215,7 +215,34 @@ def test_a_method_saved_before_windows_could_be_coded_loads_with_exact_windows()
     saved = method_to_json(kvpack.get_method("int8@sliding=exact"))
     del saved["sliding"]
     assert method_from_json(saved).sliding_method() is None
-    assert method_from_json(method_to_json(kvpack.get_method("int8"))).sliding_method().key.codec == "int8"
+    assert method_from_json(method_to_json(kvpack.get_method("int8"))).sliding_method().key.codec == "int8_rotated"
+
+
+def test_a_cache_saved_when_auto_windows_were_plain_int8_loads_them_as_plain_int8(tmp_path, monkeypatch):
+    """"auto" names what the release codes windows with. A file written while it meant plain int8 rows (and did not
+    record it) must load those rows with the plain int8 codec, not today's rotated one, and continue alike."""
+    import kvpack.cache.serialize as serialize
+    from kvpack import registry
+
+    model = _hybrid()
+    with monkeypatch.context() as m:  # the earlier release: "auto" was plain int8, and files did not say so
+        m.setattr(registry, "AUTO_SLIDING_METHOD", "int8")
+        to_json = serialize.method_to_json
+        m.setattr(serialize, "method_to_json", lambda method: {k: v for k, v in to_json(method).items() if k != "sliding_auto"})
+        cache = kvpack.KVCache(model, "int8")
+        assert cache.layers[0].method.key.codec == "int8"
+        seq, _ = _generate(model, _ids(vocab=64), cache, 20)
+        save_cache(cache, tmp_path / "c")
+    loaded = load_cache(tmp_path / "c", model)
+    assert loaded.method.sliding == "int8" and loaded.layers[0].method.key.codec == "int8"
+    _assert_same_state(cache, loaded)
+    assert torch.equal(_generate(model, seq, loaded, 20)[1], _generate(model, seq, cache, 20)[1])
+    # today's files record it, and load as they were written
+    fresh = kvpack.KVCache(model, "int8")
+    _generate(model, _ids(vocab=64), fresh, 20)
+    save_cache(fresh, tmp_path / "d")
+    again = load_cache(tmp_path / "d", model)
+    assert again.method == fresh.method and again.layers[0].method.key.codec == "int8_rotated"
 
 
 def test_all_sliding_model_round_trip(tmp_path):

@@ -213,7 +213,7 @@ def test_a_sliding_decode_step_takes_the_fused_kernels(enabled, monkeypatch):
     assert masked == []
 
 
-@pytest.mark.parametrize("sliding", ["int8", "turboquant:k4v4"])
+@pytest.mark.parametrize("sliding", ["int8", "int8:rotated", "turboquant:k4v4"])
 def test_a_fused_sliding_step_leaves_out_the_tokens_past_the_window_as_the_mask_does(enabled, monkeypatch, sliding):
     """Between drops a sliding layer holds up to a 16th of its window past it; the fused step (no mask) must leave them
     out exactly as transformers' sliding mask does on the masked path, step for step through a drop."""
@@ -310,13 +310,14 @@ def test_sliding_layers_draw_from_the_methods_seed():
 
 
 @pytest.mark.parametrize(("name", "windows"), [
-    (kvpack.DEFAULT_METHOD, "int8"), ("turboquant:k3v2", "int8"), ("shard", "int8"), ("tiered:1024:shard", "int8"),
+    (kvpack.DEFAULT_METHOD, "int8_rotated"), ("turboquant:k3v2", "int8_rotated"), ("shard", "int8_rotated"),
+    ("tiered:1024:shard", "int8_rotated"), ("turboquant:k3v2@sliding=int8", "int8"),
     ("fp16", None),  # lossless: its windows stay as exact as its other layers
     (f"{kvpack.DEFAULT_METHOD}@fisher=32", None),  # reads every prompt token's K/V after the prefill
     ("turboquant:k3v2@sliding=exact", None), ("turboquant:k3v2@sliding=turboquant:k4v4", "turboquant"),
 ])
-def test_sliding_windows_are_coded_in_int8_unless_the_method_cannot_use_them(name, windows, enabled):
-    """By default ("auto") a sliding-window layer holds int8 rows; exact windows where the method is lossless, where it
+def test_sliding_windows_are_coded_in_rotated_int8_unless_the_method_cannot_use_them(name, windows, enabled):
+    """By default ("auto") a sliding-window layer holds rotated int8 rows; exact windows where the method is lossless, where it
     reads the whole prompt after the prefill, or where asked for. The layers built on a Gemma-3 model follow."""
     method = kvpack.get_method(name)
     side = method.sliding_method()
@@ -331,7 +332,7 @@ def test_sliding_windows_are_coded_in_int8_unless_the_method_cannot_use_them(nam
 
 
 def test_a_seed_draws_the_windows_when_only_they_draw_at_random(enabled):
-    """int8 draws nothing at random, its TurboQuant windows do: `@seed=N` must reach them (and `compare --draws` run
+    """Plain int8 draws nothing at random, its TurboQuant (or rotated int8) windows do: `@seed=N` must reach them (and `compare --draws` run
     them N times), each seed a different rotation of the windows' codes, the same seed the same logits."""
     from kvpack.cache.serialize import method_from_json, method_to_json
     from kvpack.cli import expand_draws
@@ -343,8 +344,10 @@ def test_a_seed_draws_the_windows_when_only_they_draw_at_random(enabled):
     assert side.key.options["seed"] == side.value.options["seed"] == 3
     assert method_from_json(method_to_json(method)) == method
     assert expand_draws([name], 3) == [f"{name}@seed={s}" for s in range(3)]
-    with pytest.raises(ValueError, match="draws nothing at random"):
-        kvpack.get_method("int8@seed=3")
+    for plain in ("int8@sliding=int8", "int8@sliding=exact"):  # nothing draws; by default its rotated windows do
+        with pytest.raises(ValueError, match="draws nothing at random"):
+            kvpack.get_method(f"{plain}@seed=3")
+    assert kvpack.get_method("int8@seed=3").sliding_method().key.options["seed"] == 3
     assert method.with_sliding("exact").sliding_seed is None
     with pytest.raises(ValueError, match="sliding_seed must be None or a non-negative integer"):
         dataclasses.replace(method, sliding_seed=-1)

@@ -87,10 +87,11 @@ class LayerCodecs:
 
 EXACT_SLIDING = "exact"  # `MethodConfig.sliding`: sliding-window layers keep transformers' own window, uncompressed
 AUTO_SLIDING = "auto"  # `MethodConfig.sliding`'s default: `AUTO_SLIDING_METHOD` rows, or "exact" where those cannot serve
-# What "auto" codes a sliding window with: per-token int8 rows, which cost Gemma-3 nothing measurable (+1.12% against +1.14%
-# with the exact fp32 window at 2K, three draws) for a third of the bytes (docs/guide/methods.md, "Sliding-window layers").
-AUTO_SLIDING_METHOD = "int8"
-SLIDING_EXAMPLES = "'int8', 'turboquant:k4v4+ropemean'"
+# What "auto" codes a sliding window with: per-token int8 rows after a seeded Hadamard rotation. Plain int8 rows cost
+# Gemma-3 nothing measurable at 2K but a third of a point at 8K (its one 256-wide kv head's outlier channels set each
+# token's scale); rotated, the same bytes read as the exact fp32 window does (docs/guide/methods.md, "Sliding-window layers").
+AUTO_SLIDING_METHOD = "int8:rotated"
+SLIDING_EXAMPLES = "'int8:rotated', 'int8', 'turboquant:k4v4+ropemean'"
 
 
 @dataclass(frozen=True)
@@ -118,7 +119,7 @@ class MethodConfig:
         layers that signal ranks most sensitive get a fourth bit, paid for by the keys of the least sensitive at two,
         so the bytes stay the method's (kvpack/cache/prompt_widths.py). Needs 3-bit TurboQuant keys. 0: off.
     sliding: what a sliding-window layer (Gemma-3's local layers, Mistral-style configs) holds: "auto" (the default)
-        is "int8" (`AUTO_SLIDING_METHOD`), or "exact" for a lossless method or one with `fisher_tail`
+        is "int8:rotated" (`AUTO_SLIDING_METHOD`), or "exact" for a lossless method or one with `fisher_tail`
         (`resolved_sliding`); "exact" (name suffix `@sliding=exact`) keeps transformers' bounded window in the model's
         dtype; a registered method name (e.g. "int8", "turboquant:k4v4+ropemean"; name suffix `@sliding=int8`)
         compresses the window with that method's codecs, without sinks or anchors, and drops every token once it
@@ -401,12 +402,13 @@ _CANONICAL: list[str] = []  # list_methods(), in registration order
 def method(name: str, *variants: str) -> Callable[[Callable[[str], MethodConfig]], Callable[[str], MethodConfig]]:
     """Register a builder `fn(arg) -> MethodConfig` for `"name"` / `"name:arg"`, with its canonical variants.
 
-    `variants` are the args listed by `list_methods()` (the CLI and the test matrix); none lists `name` alone.
+    `variants` are the args listed by `list_methods()` (the CLI and the test matrix); none, or an empty one, lists
+    `name` alone.
     """
 
     def register(builder: Callable[[str], MethodConfig]) -> Callable[[str], MethodConfig]:
         METHODS[name] = builder
-        _CANONICAL.extend([f"{name}:{v}" for v in variants] or [name])
+        _CANONICAL.extend([f"{name}:{v}" if v else name for v in variants] or [name])
         return builder
 
     return register
@@ -424,11 +426,14 @@ def _fp16(arg: str) -> MethodConfig:
     return MethodConfig("fp16", spec, spec, sink_tokens=0, window=0)
 
 
-@method("int8")
+@method("int8", "", "rotated")
 def _int8(arg: str) -> MethodConfig:
-    _no_options("int8", arg)
-    spec = CodecSpec("int8")
-    return MethodConfig("int8", spec, spec)
+    """`int8`: per-token int8 rows; `int8:rotated`: the same bytes after a seeded randomized Hadamard rotation, which
+    spreads a token's outlier channels before its absmax scale is taken (`codecs/int8_rotated.py`)."""
+    if arg not in ("", "rotated"):
+        raise ValueError(f"int8 takes no option or 'rotated' (int8, int8:rotated), got int8:{arg}")
+    spec = CodecSpec("int8_rotated" if arg else "int8")
+    return MethodConfig(f"int8:{arg}" if arg else "int8", spec, spec)
 
 
 @method("turboquant", "k4v4", "k3v3", "k3v2", "k3v3+qjl", "k3v2+ropemean")

@@ -34,7 +34,7 @@ from transformers.cache_utils import DynamicSlidingWindowLayer
 from .._optional import MissingDependency, install_line
 from ..codecs.base import Packed
 from ..codecs.rows import RowsCodec
-from ..registry import CODECS, EXACT_SLIDING, CodecSpec, LayerCodecs, MethodConfig, Tier, get_method
+from ..registry import AUTO_SLIDING, CODECS, EXACT_SLIDING, CodecSpec, LayerCodecs, MethodConfig, Tier, get_method
 from ..support import VERSION, atomic_write, jsonable, model_fingerprint
 from ..support import fingerprint as config_fingerprint
 from .anchors import AnchorSet
@@ -462,6 +462,7 @@ def _restore_codec(layer: KVPackLayer, name: str, info: dict, path: Path):
 
 
 # -- method and model identity -----------------------------------------------------------------------
+FIRST_AUTO_SLIDING_METHOD = "int8"  # what a sliding window held under "auto" in files that do not record it
 def method_to_json(method: MethodConfig) -> dict:
     """Every field of `method` as JSON (codec specs as {"codec", "options"}); `method_from_json` rebuilds an equal config."""
     out: dict[str, Any] = {}
@@ -473,6 +474,8 @@ def method_to_json(method: MethodConfig) -> dict:
         if f.name == "layer_codecs":
             value = [{"layers": list(e.layers), "key": _spec_json(e.key), "value": _spec_json(e.value)} for e in value]
         out[f.name] = _spec_json(value) if isinstance(value, CodecSpec) else value
+    if method.sliding == AUTO_SLIDING:  # what "auto" stood for when saved: a later default must not re-read these rows
+        out["sliding_auto"] = method.resolved_sliding
     out["registered"] = _registered(method)
     if method_from_json(out) != method:
         raise ValueError(f"method {method.name!r} cannot be saved: its options {out} do not rebuild the same MethodConfig from JSON")
@@ -491,7 +494,14 @@ def method_from_json(data: dict) -> MethodConfig:
     kwargs["tiers"] = tuple(Tier(spec(t["key"]), spec(t["value"]), int(t["after"]), int(t.get("fit_tokens", 0)), t.get("refit", 0.0))
                             for t in data.get("tiers", ()))
     kwargs["layer_codecs"] = tuple(LayerCodecs(tuple(e["layers"]), spec(e["key"]), spec(e["value"])) for e in data.get("layer_codecs", ()))
-    return MethodConfig(**kwargs)
+    method = MethodConfig(**kwargs)
+    if method.sliding == AUTO_SLIDING:
+        # "auto" names whatever the release codes windows with; the file says what it was then (a file from before it
+        # said so held plain int8 rows, or exact windows where "auto" keeps them exact)
+        held = data.get("sliding_auto") or (EXACT_SLIDING if method.resolved_sliding == EXACT_SLIDING else FIRST_AUTO_SLIDING_METHOD)
+        if held != method.resolved_sliding:
+            method = dataclasses.replace(method, sliding=held)
+    return method
 
 
 def _registered(method: MethodConfig) -> bool:

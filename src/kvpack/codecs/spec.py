@@ -13,6 +13,7 @@ from .base import Codec
 CODECS: dict[str, str] = {
     "fp16": "kvpack.codecs.fp16:Fp16Codec",
     "int8": "kvpack.codecs.int8:Int8Codec",
+    "int8_rotated": "kvpack.codecs.int8_rotated:RotatedInt8Codec",
     "int4": "kvpack.codecs.int4:Int4Codec",
     "turboquant": "kvpack.codecs.turboquant:TurboQuantCodec",
     "polarquant-int4": "kvpack.codecs.polarquant:PolarQuantCodec",
