@@ -46,7 +46,7 @@ CLASSES = [
     ("Left-padded batches (every method, with and without `enable`)", "test_padding.py", r".", "pads stay exact; a padded row reads what it reads alone"),
     ("Batches: each row's fitted state from its own tokens (state, kernels, selection, files)", "test_rows.py", r".",
      "a row stored and read as in a batch of one"),
-    ("Sliding-window models (Gemma-3 layer types, Mistral-style `sliding_window`)", "test_sliding.py", r".", "windows coded (int8 rows by default, `@sliding=METHOD`) holding the same tokens and reading as the mask does, or transformers' own window kept (`@sliding=exact`); ratios vs what DynamicCache holds"),
+    ("Sliding-window models (Gemma-3 layer types, Mistral-style `sliding_window`)", "test_sliding.py", r".", "windows coded (rotated int8 rows by default, `@sliding=METHOD`) holding the same tokens and reading as the mask does, or transformers' own window kept (`@sliding=exact`); ratios vs what DynamicCache holds"),
     ("Crop, reorder, batch select/repeat (block runs)", "test_blocks.py", r".", "compressed prefix bit-identical after crop"),
     ("Generation modes vs DynamicCache (greedy, sampling, beam, assisted, padding)", "test_cache.py", r"matches|reproduce|crop|assisted|beam|sampling", "same tokens for lossless methods"),
     ("Bad input, overflow, construction and option errors", "test_validation.py", r".", "a ValueError/TypeError naming the problem and the fix; cache unchanged"),

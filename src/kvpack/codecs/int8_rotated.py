@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels import int8 as _kernel  # noqa: F401  (registers the ("int8_rotated", "int8_rotated") entry `kernel_kind` names)
-from ..primitives.rotation import derive_seed, random_signs, randomized_hadamard, randomized_hadamard_inverse
+from ..primitives.rotation import derive_seed, hadamard_dense, random_signs
 from ..primitives.validation import check_query
 from .int8 import Int8Codec, Int8Packed
 
@@ -43,18 +43,29 @@ class RotatedInt8Codec(Int8Codec):
         signs = [random_signs(head_dim, derive_seed(config.seed, layer_idx, h)) for h in range(kv_heads)]
         self.signs = torch.stack(signs).to(torch.int8)  # (kv_heads, head_dim)
 
-    def head_signs(self, heads: int, device: torch.device) -> torch.Tensor:
-        """float32 `(heads, 1, head_dim)` signs for `heads` rows of heads (kv heads, or query heads grouped over them)."""
-        signs = self._on("signs", self.signs, torch.device(device)).float()
-        return signs.repeat_interleave(heads // self.kv_heads, 0)[:, None]
+    def _rotation(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 signs `(kv_heads, 1, head_dim)` and the shared `(head_dim, head_dim)` Hadamard on `device`, made once:
+        a decode step rotates a few query rows per layer, where each extra torch call costs more than the product."""
+        cached = self.__dict__.get("_rotation_on")
+        if cached is None or cached[0] != device or cached[1] is not self.signs:
+            signs = self.signs.to(device=device, dtype=torch.float32)[:, None]
+            cached = self._rotation_on = (device, self.signs, signs, hadamard_dense(self.head_dim, device, torch.float32))
+        return cached[2], cached[3]
+
+    def _signs_for(self, heads: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        signs, h = self._rotation(device)
+        return (signs if heads == self.kv_heads else signs.repeat_interleave(heads // self.kv_heads, 0)), h
 
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
-        """`(b, heads, n, d)` -> the same rotated by each head's kv head's H·diag(signs), float32."""
-        return randomized_hadamard(x.float(), self.head_signs(x.shape[1], x.device))
+        """`(b, heads, n, d)` -> the same rotated by each head's kv head's H·diag(signs), float32 (heads: the kv heads,
+        or query heads grouped over them)."""
+        signs, h = self._signs_for(x.shape[1], x.device)
+        return (x.float() * signs) @ h
 
     def unrotate(self, y: torch.Tensor) -> torch.Tensor:
         """Inverse of `rotate`."""
-        return randomized_hadamard_inverse(y.float(), self.head_signs(y.shape[1], y.device))
+        signs, h = self._signs_for(y.shape[1], y.device)
+        return (y.float() @ h) * signs
 
     def encode(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> Int8Packed:
         self._check(x)

@@ -103,6 +103,15 @@ def hadamard_transform(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([fwht(p) for p in parts], dim=-1)
 
 
+@functools.cache
+def hadamard_dense(dim: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """`(dim, dim)` H with `hadamard_transform(x) == x @ H` for any dim (block-diagonal past powers of two), built once
+    per size, device and dtype: a per-step transform of a few rows is then one matmul (H is symmetric: its own inverse)."""
+    if is_power_of_two(dim) and dim <= DENSE_HADAMARD_MAX:
+        return dense_hadamard(dim, device, dtype)
+    return hadamard_transform(torch.eye(dim, dtype=torch.float64)).to(device=device, dtype=dtype)
+
+
 def randomized_hadamard(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
     """Rotate rows of `x (..., d)` by H·diag(signs) (orthonormal)."""
     return hadamard_transform(x * signs)
