@@ -44,13 +44,13 @@ class RotatedInt8Codec(Int8Codec):
         self.signs = torch.stack(signs).to(torch.int8)  # (kv_heads, head_dim)
 
     def _rotation(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """float32 signs `(kv_heads, 1, head_dim)` and the shared `(head_dim, head_dim)` Hadamard on `device`, made once:
-        a decode step rotates a few query rows per layer, where each extra torch call costs more than the product."""
-        cached = self.__dict__.get("_rotation_on")
+        """float32 signs `(kv_heads, 1, head_dim)`, made once per device, and the Hadamard matrix every codec of this
+        head dim shares (`hadamard_dense`, held outside the codec so its bytes count once): a decode step rotates a few
+        query rows per layer, where each extra torch call costs more than the product."""
+        cached = self.__dict__.get("_signs_on")
         if cached is None or cached[0] != device or cached[1] is not self.signs:
-            signs = self.signs.to(device=device, dtype=torch.float32)[:, None]
-            cached = self._rotation_on = (device, self.signs, signs, hadamard_dense(self.head_dim, device, torch.float32))
-        return cached[2], cached[3]
+            cached = self._signs_on = (device, self.signs, self.signs.to(device=device, dtype=torch.float32)[:, None])
+        return cached[2], hadamard_dense(self.head_dim, device, torch.float32)
 
     def _signs_for(self, heads: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         signs, h = self._rotation(device)
