@@ -326,6 +326,8 @@ def test_rotated_int8_spreads_an_outlier_channel_and_reads_back_through_its_rota
     err = lambda y: ((y.double() - x.double()).square().sum() / x.double().square().sum()).item()  # noqa: E731
     assert err(rotated.decode(packed)) * 30 < err(plain.decode(plain.encode(x)))
     assert rotated.nbytes(packed) == plain.nbytes(plain.encode(x))  # the same bytes
+    rotated.scores(torch.randn(1, 4, 1, 64), packed)
+    assert rotated.state_nbytes() <= 2 * 64 * 5  # its signs (int8, and float32 for the step), not a 64x64 matrix per codec
 
 
 def test_kivi_error_within_half_step_of_its_groups():
