@@ -190,7 +190,7 @@ def _bad_inputs(tmp_path):
         (["compare", *tiny, "--methods", "int8,nope"], r"unknown method 'nope'; kvpack methods: fp16, .*shard, .*; peers: dynamic, hf-quanto:2"),
         (["compare", *tiny, "--methods", "hf-zip:4"], r"unknown peer 'hf-zip:4'; peers: dynamic"),
         (["eval", *tiny, "--method", "kivi:3"], r"kivi takes 2 or 4 bits"),
-        (["eval", *tiny, "--method", "int8:foo"], r"'int8' takes no options"),
+        (["eval", *tiny, "--method", "int8:foo"], r"int8 takes no option or 'rotated'"),
         (["eval", *tiny, "--method", "shard@bad=1"], r"'shard@bad=1': a method name takes the suffixes '@anchors=P%', '@window=N', '@fisher=N', '@sliding=METHOD' and '@seed=N'"),
         (["eval", *tiny, "--method", "int8@seed=1"], r"method 'int8' draws nothing at random"),
         (["eval", *tiny, "--method", "auto:1%@anchors=50%"], r"'@anchors=' takes a fraction of the prompt's tokens from 0 to 25%"),

@@ -344,10 +344,11 @@ def test_a_seed_draws_the_windows_when_only_they_draw_at_random(enabled):
     assert side.key.options["seed"] == side.value.options["seed"] == 3
     assert method_from_json(method_to_json(method)) == method
     assert expand_draws([name], 3) == [f"{name}@seed={s}" for s in range(3)]
-    for plain in ("int8@sliding=int8", "int8@sliding=exact"):  # nothing draws; by default its rotated windows do
+    for plain in ("int8", "int8@sliding=int8", "int8@sliding=exact"):  # its default windows keep one fixed rotation
         with pytest.raises(ValueError, match="draws nothing at random"):
             kvpack.get_method(f"{plain}@seed=3")
-    assert kvpack.get_method("int8@seed=3").sliding_method().key.options["seed"] == 3
+    assert kvpack.get_method("int8@sliding=int8:rotated@seed=3").sliding_method().key.options["seed"] == 3
+    assert kvpack.get_method("turboquant:k3v2@seed=3").sliding_method().key.options["seed"] == 3  # "auto" follows the codecs
     assert method.with_sliding("exact").sliding_seed is None
     with pytest.raises(ValueError, match="sliding_seed must be None or a non-negative integer"):
         dataclasses.replace(method, sliding_seed=-1)

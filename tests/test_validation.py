@@ -42,8 +42,8 @@ def llama():
 @pytest.mark.parametrize(
     "name, match",
     [
-        ("nope", r"unknown method 'nope'; available: fp16, int8, turboquant:k4v4"),
-        ("int8:foo", r"'int8' takes no options, got int8:foo; use 'int8'"),
+        ("nope", r"unknown method 'nope'; available: fp16, int8, int8:rotated, turboquant:k4v4"),
+        ("int8:foo", r"int8 takes no option or 'rotated' \(int8, int8:rotated\), got int8:foo"),
         ("fp16:1", r"'fp16' takes no options"),
         ("qjl:abc", r"qjl takes a sketch ratio.*positive number \(e.g. qjl:2, qjl:4\), got 'abc'"),
         ("qjl:0", r"qjl takes a sketch ratio"),
@@ -116,7 +116,7 @@ def test_a_config_without_a_readable_rotary_module_names_the_fix(llama, monkeypa
 # -- list_methods is the registry -----------------------------------------------------------------
 def test_list_methods_resolve_to_themselves():
     names = list_methods()
-    assert names == ["fp16", "int8", "turboquant:k4v4", "turboquant:k3v3", "turboquant:k3v2", "turboquant:k3v3+qjl",
+    assert names == ["fp16", "int8", "int8:rotated", "turboquant:k4v4", "turboquant:k3v3", "turboquant:k3v2", "turboquant:k3v3+qjl",
                      "turboquant:k3v2+ropemean", "polarquant-int4", "qjl", "kivi:4", "kivi:2", "shard", "kvquant:4", "kvquant:3", "kvquant:2", "subspace:2",
                      "tiered:512", "tiered:512:tq", "tiered:1024:shard", "int4"]
     assert [get_method(n).name for n in names] == names

@@ -296,8 +296,10 @@ class MethodConfig:
         perplexity delta by up to ~1.7 points (docs/guide/evaluation.md, "One draw of the rotation")."""
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
             raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+        # Windows named with `@sliding=` draw with the method; "auto" ones follow the method's own codecs' seed where
+        # they draw, and keep their fixed default draw under a method that draws nothing (plain `int8` on any model).
         sliding = self.resolved_sliding
-        windows = sliding != EXACT_SLIDING and any(_has_seed(s) for s in get_method(sliding).specs())
+        windows = self.sliding != AUTO_SLIDING and sliding != EXACT_SLIDING and any(_has_seed(s) for s in get_method(sliding).specs())
         if not windows and not any(_has_seed(s) for s in self.specs()):
             raise ValueError(f"method {self.name!r} draws nothing at random (none of its codecs takes a seed), so '@seed=' would not change it")
         tiers = tuple(replace(t, key=_seeded(t.key, seed), value=_seeded(t.value, seed)) for t in self.tiers)
