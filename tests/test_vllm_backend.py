@@ -775,22 +775,37 @@ def test_vllm_engine_strict_logits_do_not_depend_on_hits_or_preemption():
     log-probabilities, as a miss, a prefix-cache hit and a second miss, in 64 MiB and in 8 MiB (where the pool fills,
     vLLM preempts and recomputes requests into reused blocks). Every pass of both engines gives bit-equal tokens and
     log-probabilities: what a request reads depends only on its own stored rows, whatever the schedule, a hit or a
-    recompute (a stale or unwritten row read anywhere would move them). vLLM's own bf16 pool is bit-equal across a hit
-    and a miss on this machine too (bench/results/vllm-prefix-hit-smollm2-135m.json)."""
+    recompute (a stale or unwritten row read anywhere would move them).
+
+    That needs the model's own layers to compute a row the same in any step, which the attention backend does not
+    control: vLLM's own bf16 engine runs the same passes first, as the control. Where it is bit-equal across a hit and
+    a miss (an AMD EPYC, bench/results/vllm-prefix-hit-smollm2-135m.json) the strict pool must be too. Where it is not
+    (an AMX Xeon, bench/results/vllm-prefix-hit-smollm2-135m-xeon.json: already in the first layer, the rotated q and
+    k that vLLM hands the backend, never v, differ in the last bit for a few of the rows a hit recomputes), no
+    backend can be bit-equal and the test skips, saying so; `test_strict_attention_is_the_same_for_any_schedule` checks the strict attention's own
+    invariance on every CPU."""
     from transformers import AutoTokenizer
 
     from kvpack.bench.vllm import _corpus, spawn, windows
 
     model = Path("~/.cache/kvpack/hf/smollm2-135m").expanduser()
     ids = AutoTokenizer.from_pretrained(model)(_corpus().read_text(), add_special_tokens=False)["input_ids"]
-    common = {"model": str(model), "max_model_len": 512, "dtype": "bfloat16", "max_num_seqs": 8, "label": "kvpack strict",
-              "kvpack": {"method": "turboquant:k3v2", "strict": True},
+    common = {"model": str(model), "max_model_len": 512, "dtype": "bfloat16", "max_num_seqs": 8,
               "prefix": {"prompts": windows(ids, 8, 384, offset=30000), "output_tokens": 8, "top_logprobs": 5}}
-    ample = spawn({**common, "kv_bytes": 64 << 20}, None)
-    tight = spawn({**common, "kv_bytes": 8 << 20}, None)
+    full_blocks = 8 * (383 // 128) * 128  # each prompt's full blocks but the last token's
+    # 256 MiB of bf16 KV holds every prompt and its blocks stay cached, so the control's hit is a hit
+    control = {p["pass"]: p for p in spawn({**common, "label": "vLLM bf16 pool", "kv_bytes": 256 << 20}, None)["prefix"]}
+    assert control["hit"]["cached_tokens"] == full_blocks
+    moved = [name for name, p in control.items() if p["logprobs"] != control["miss"]["logprobs"]]
+    if moved:
+        pytest.skip(f"vLLM's own bf16 engine is not bit-equal across its passes on this CPU ({', '.join(moved)} against the miss): "
+                    "its layers compute a row differently by the step it runs in, so no attention backend can give bit-equal logits")
+    strict = {**common, "label": "kvpack strict", "kvpack": {"method": "turboquant:k3v2", "strict": True}}
+    ample = spawn({**strict, "kv_bytes": 64 << 20}, None)
+    tight = spawn({**strict, "kv_bytes": 8 << 20}, None)
     assert tight["kv_pool_tokens"] < 8 * (384 + 8) <= ample["kv_pool_tokens"]
     passes = {(name, p["pass"]): p for name, run in (("ample", ample), ("tight", tight)) for p in run["prefix"]}
-    assert passes["ample", "hit"]["cached_tokens"] == 8 * (383 // 128) * 128  # each prompt's full blocks but the last token's
+    assert passes["ample", "hit"]["cached_tokens"] == full_blocks
     first = passes["ample", "miss"]
     for key, p in passes.items():
         assert p["outputs"] == first["outputs"], key

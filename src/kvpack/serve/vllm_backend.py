@@ -19,8 +19,8 @@ this model, `python -m kvpack.serve.pool_calibration`; TurboQuant only; default 
 sequence's last tokens also kept in int8 in a side store of max_num_seqs rows, taken out of the KV memory: default 32 for TurboQuant, 0 for int8), exact_chunk (default true: the tokens computed in a step attend to each other exactly and
 to the compressed history; false reads them back from the pool too, for measuring what the codes cost), strict (default
 false: true reads every token from the pool, each query row through the paged kernel as a decode step runs, so a
-request's logits do not depend on batching, chunking or prefix-cache hits; sets sink_tokens 0, window 0, exact_chunk
-false).
+request's attention does not depend on batching, chunking or prefix-cache hits, nor its logits where vLLM's own layers
+do not either; sets sink_tokens 0, window 0, exact_chunk false).
 
 Refused when the engine starts, with the limit named: other methods (codec state fitted per prompt), sliding-window,
 encoder and cross attention, ALiBi, logit soft-capping, attention sinks, quantized (fp8) KV dtypes, tensor / pipeline
