@@ -23,6 +23,7 @@ from kvpack.serve.paged_pool import (
     encode_rows,
     gather_rows,
     paged_attention,
+    unpack_rows,
     write_rows,
 )
 
@@ -140,7 +141,8 @@ SPECS = [(37, 1), (5, 1), (40, 7), (0, 9), (32, 1), (0, 1), (70, 1)]
 
 @pytest.mark.parametrize("exact_chunk", [True, False])
 @pytest.mark.parametrize("sinks", [0, 3])
-@pytest.mark.parametrize("method,d,calibrated", [("int8", 64, False), ("turboquant:k3v2", 64, False), ("turboquant:k4v4", 96, False),
+@pytest.mark.parametrize("method,d,calibrated", [("int8", 64, False), ("int8:rotated", 64, False), ("int8:rotated", 96, False),
+                                                 ("turboquant:k3v2", 64, False), ("turboquant:k4v4", 96, False),
                                                  ("turboquant:k2v3", 64, False), ("turboquant:k3v2", 64, True), ("turboquant:k4v4", 96, True)])
 def test_paged_attention_matches_dense_softmax_over_decoded_pages(method, d, calibrated, sinks, exact_chunk):
     fmt = PoolFormat(method, d, seed=1, calibrated=calibrated)
@@ -249,14 +251,15 @@ def test_paged_kernel_refuses_block_ids_outside_the_pool():
     assert bool(torch.isfinite(out[2]).all())
 
 
-@pytest.mark.parametrize("method,op", [("turboquant:k3v2", "tq_paged_attention"), ("int8", "int8_paged_attention")])
+@pytest.mark.parametrize("method,op", [("turboquant:k3v2", "tq_paged_attention"), ("int8", "int8_paged_attention"),
+                                       ("int8:rotated", "int8_paged_attention")])
 def test_paged_attention_decodes_through_the_kernel_and_its_reference_alike(monkeypatch, method, op):
     """A decode batch takes its paged op (no gather); under KVPACK_BACKEND=torch the same call runs the op's reference,
     and a prefill chunk gathers: all agree."""
     from kvpack.kernels import ops
     from kvpack.serve import paged_pool
 
-    fmt = PoolFormat(method, 64, seed=1, calibrated=method != "int8")
+    fmt = PoolFormat(method, 64, seed=1, calibrated=method.startswith("turboquant"))
     codecs, pool, q, k, v, meta, _ = _batch(fmt, 6, 2, 64, 16, SPECS, garbage=0xFF, seed=3)
     calls = []
     real = paged_pool.ops.run
@@ -271,7 +274,7 @@ def test_paged_attention_decodes_through_the_kernel_and_its_reference_alike(monk
     torch.testing.assert_close(fast, slow, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("method", ["int8", "turboquant:k3v2"])
+@pytest.mark.parametrize("method", ["int8", "int8:rotated", "turboquant:k3v2"])
 def test_unwritten_slots_never_reach_attention(method):
     """The same batch over pools whose unwritten slots hold zeros, 0xFF (NaN fp16 norms) or 0x7C (large finite norms)
     gives bit-equal outputs."""
@@ -282,6 +285,36 @@ def test_unwritten_slots_never_reach_attention(method):
         outs.append(paged_attention(fmt, codecs, q, k, v, pool, *meta, 0.125, exact_chunk=False))
     assert bool(torch.isfinite(outs[0]).all())
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+def test_rotated_int8_rows_hold_keys_with_an_outlier_channel_closer():
+    """Keys whose one channel is 30x the others (as Qwen2.5's and Gemma-3's are): plain int8 rows give that channel the
+    whole per-token scale and the other channels a few levels; `int8:rotated` rows, the same bytes, hold every key
+    closer to its true value, and their attention output is closer to the float64 softmax over the true K/V."""
+    d, kv_heads, heads, n = 64, 2, 6, 200
+    g = torch.Generator().manual_seed(11)
+    k = torch.randn(n, kv_heads, d, generator=g)
+    k[..., 5] *= 30
+    v = torch.randn(n, kv_heads, d, generator=g)
+    q = torch.randn(1, heads, d, generator=g)
+    exact = ((q.double().view(1, kv_heads, heads // kv_heads, d) @ k.double().permute(1, 2, 0)) * 0.125).softmax(-1)
+    exact = (exact @ v.double().transpose(0, 1)).reshape(1, heads, d)
+    errors = {}
+    for method in ("int8", "int8:rotated"):
+        fmt = PoolFormat(method, d, seed=3)
+        codecs = fmt.codecs(kv_heads, layer_idx=1)
+        assert fmt.row_bytes == 4 + 2 * d  # the same bytes either way
+        pool = torch.zeros(n // 16 + 1, kv_heads, 16, fmt.row_bytes, dtype=torch.uint8)
+        write_rows(pool, encode_rows(fmt, codecs, k, v), torch.arange(n))
+        kd = codecs[0].decode(unpack_rows(fmt, gather_rows(pool, torch.arange(pool.shape[0])[None], torch.tensor([n])))[0])[0]
+        others = torch.ones(d, dtype=torch.bool)
+        others[5] = False
+        key_error = float((kd.transpose(0, 1) - k)[..., others].norm() / k[..., others].norm())
+        out = paged_attention(fmt, codecs, q, None, None, pool, torch.tensor([0, 1]), torch.tensor([n]), torch.arange(pool.shape[0])[None],
+                              0.125, exact_chunk=False, strict=True)
+        errors[method] = (key_error, float((out.double() - exact).norm() / exact.norm()))
+    print(errors)
+    assert errors["int8:rotated"][0] < 0.5 * errors["int8"][0] and errors["int8:rotated"][1] < errors["int8"][1]
 
 
 def test_gather_reads_only_the_batch_blocks():
@@ -485,7 +518,7 @@ def test_long_chunks_read_their_history_decoded_as_the_codes_score(method, calib
         torch.testing.assert_close(out[a:e], ref, atol=2e-4, rtol=2e-4)
 
 
-@pytest.mark.parametrize("method,calibrated", [("int8", False), ("turboquant:k3v2", False), ("turboquant:k3v2", True)])
+@pytest.mark.parametrize("method,calibrated", [("int8", False), ("int8:rotated", False), ("turboquant:k3v2", False), ("turboquant:k3v2", True)])
 def test_strict_attention_is_the_same_for_any_schedule(monkeypatch, method, calibrated):
     """`strict`: a position's output is bit-equal whether its sequence is computed in one chunk, in chunks that
     continue a stored history (chunked prefill, a prefix-cache hit) or token by token, and beside other sequences,

@@ -6,7 +6,9 @@ norm (TurboQuant), then the key's codes and the value's codes:
 
     [k_scale: 2 B | v_scale: 2 B | k_codes: kc B | v_codes: vc B]     kc, vc = ceil(d * bits / 8) (int8: d)
 
-so SmolLM2's d = 64 takes 132 B per (token, head) with int8 (bf16: 256 B) and 44 B with TurboQuant k3v2.
+so SmolLM2's d = 64 takes 132 B per (token, head) with int8 (bf16: 256 B) and 44 B with TurboQuant k3v2. `int8:rotated`
+rows are int8 rows of each vector after a seeded randomized Hadamard rotation (`codecs.int8_rotated`), in the same
+bytes: a key whose outlier channels set its per-token scale loses less of its other channels.
 
 Codec state is static: TurboQuant's rotation is seeded per (layer, head) from one seed and its Lloyd-Max codebook
 is fixed by (d, bits); nothing is fitted on a prompt. Centering and channel scales are either off or fitted once per
@@ -38,11 +40,13 @@ import torch.nn.functional as F
 
 from ..codecs.base import Codec, Packed, group_query, ungroup
 from ..codecs.int8 import Int8Codec, Int8Config, Int8Packed
+from ..codecs.int8_rotated import RotatedInt8Codec, RotatedInt8Config
 from ..codecs.turboquant import TurboQuantCodec, TurboQuantConfig, TurboQuantPacked
 from ..kernels import cpu_lut, ops
 
 KEY_CHANNEL_SCALE = 0.5  # calibrated keys: RMS^0.5 per channel, as kvpack's turboquant:kXvY methods scale them
-POOL_METHODS = ("int8", "turboquant:kXvY (X, Y in 1..4)")
+INT8_METHODS = ("int8", "int8:rotated")  # int8 rows, plain or after a seeded rotation: `PoolFormat.bits` is None
+POOL_METHODS = (*INT8_METHODS, "turboquant:kXvY (X, Y in 1..4)")
 NORM_BYTES = 2  # fp16 scale or norm per (token, head) and side
 ROW_CHUNK = 512  # query rows per score matrix in a prefill: bounds the (heads, rows, tokens) float temporary
 PAGED_ROWS = 16  # query rows per kv head that the paged kernel takes (a decode step's GQA group, or a short chunk's)
@@ -51,11 +55,12 @@ DENSE_CHUNK_ROWS = 64  # prefill chunks of at least this many rows read their st
 
 @dataclass(frozen=True)
 class PoolFormat:
-    """What a pool row holds: `int8` (per-token symmetric int8, fp16 scale) or TurboQuant with `key_bits`/`value_bits`.
+    """What a pool row holds: `int8` (per-token symmetric int8, fp16 scale), `int8:rotated` (the same after a seeded
+    randomized Hadamard rotation) or TurboQuant with `key_bits`/`value_bits`.
 
-    method: "int8" or "turboquant:kXvY" with X, Y in 1..4 (scalar Lloyd-Max codes after a seeded rotation).
+    method: "int8", "int8:rotated" or "turboquant:kXvY" with X, Y in 1..4 (scalar Lloyd-Max codes after a seeded rotation).
     head_dim: the model's head size d.
-    seed: base seed of TurboQuant's rotations (each (layer, head) derives its own).
+    seed: base seed of the rotations, TurboQuant's and `int8:rotated`'s (each (layer, head) derives its own).
     calibrated: TurboQuant keys centered and channel-scaled, values centered, by per-layer state fitted once on
         calibration text (`pool_calibration`; `codecs` then takes each layer's state). The rows are the same size.
     """
@@ -78,8 +83,8 @@ class PoolFormat:
 
     @property
     def bits(self) -> tuple[int, int] | None:
-        """(key bits, value bits) for TurboQuant, None for int8."""
-        if self.method == "int8":
+        """(key bits, value bits) for TurboQuant, None for int8 rows (plain or rotated)."""
+        if self.method in INT8_METHODS:
             return None
         match = re.fullmatch(r"turboquant:k([1-4])v([1-4])", self.method)
         if match:
@@ -111,6 +116,8 @@ class PoolFormat:
     def codecs(self, kv_heads: int, layer_idx: int, state: dict[str, torch.Tensor] | None = None) -> tuple[Codec, Codec]:
         """The (key, value) codecs of one layer: static, seeded per (layer, head); when `calibrated`, loaded with the
         layer's `state` (key_mean, key_scale, value_mean `(kv_heads, d)` float32, from `pool_calibration`)."""
+        if self.method == "int8:rotated":
+            return tuple(RotatedInt8Codec(RotatedInt8Config(self.seed), self.head_dim, kv_heads, layer_idx) for _ in range(2))  # type: ignore[return-value]
         if self.bits is None:
             return Int8Codec(Int8Config(), self.head_dim, kv_heads, layer_idx), Int8Codec(Int8Config(), self.head_dim, kv_heads, layer_idx)
         if self.calibrated != (state is not None):
@@ -279,10 +286,13 @@ def pool_partial(fmt: PoolFormat, codecs: tuple[Codec, Codec], query: torch.Tens
     paged = rows_per_head <= PAGED_ROWS and pool.is_contiguous() and fmt.row_bytes % 2 == 0 and bool((visible == visible[:, :1]).all())
     start = torch.full((query.shape[0],), first, dtype=torch.int64)
     heads = query.shape[1]
-    if paged and fmt.bits is None:  # int8 rows: no rotation, the partial is in the values' space already
-        m, denom, o = ops.run("int8_paged_attention", group_query(query.float(), kv), pool, block_table, start, visible[:, 0].long(),
+    if paged and fmt.bits is None:  # int8 rows: read as stored; rotated rows take the query rotated and rotate the sum back
+        kc, vc = codecs
+        rotated = isinstance(kc, RotatedInt8Codec)
+        q = group_query(query.float(), kv)
+        m, denom, o = ops.run("int8_paged_attention", kc.rotate(q) if rotated else q, pool, block_table, start, visible[:, 0].long(),
                               list(fmt.offsets), scale)
-        return ungroup(m, heads), ungroup(denom, heads), ungroup(o, heads)
+        return ungroup(m, heads), ungroup(denom, heads), ungroup(vc.unrotate(o) if rotated else o, heads)
     if paged:
         kc, vc = codecs
         q_rot, offset = kc.kernel_query(group_query(query.float(), kv))

@@ -12,11 +12,11 @@ kvpack. Then `customize_spec` sets the pool's bytes per (token, head) to a kvpac
 the engine's "KV cache size: N tokens" counts the compressed rows; `do_kv_cache_update` encodes each step's K and V
 into their slots; `forward` attends through the block table (`paged_pool.paged_attention`).
 
-additional_config["kvpack"]: method ("int8" or "turboquant:kXvY", default "turboquant:k3v2"), seed (TurboQuant's
-rotation seed, default 0), calibration (a file of per-layer key/value centering and key channel scales fitted once on
+additional_config["kvpack"]: method ("int8", "int8:rotated" or "turboquant:kXvY", default "turboquant:k3v2"), seed (the
+rotations' seed, default 0), calibration (a file of per-layer key/value centering and key channel scales fitted once on
 this model, `python -m kvpack.serve.pool_calibration`; TurboQuant only; default none: no centering), sink_tokens
 (each sequence's first tokens also kept exact, in the model's dtype, beside the pool: default 4), window (each running
-sequence's last tokens also kept in int8 in a side store of max_num_seqs rows, taken out of the KV memory: default 32 for TurboQuant, 0 for int8), exact_chunk (default true: the tokens computed in a step attend to each other exactly and
+sequence's last tokens also kept in int8 in a side store of max_num_seqs rows, taken out of the KV memory: default 32 for TurboQuant, 0 for int8 rows), exact_chunk (default true: the tokens computed in a step attend to each other exactly and
 to the compressed history; false reads them back from the pool too, for measuring what the codes cost), strict (default
 false: true reads every token from the pool, each query row through the paged kernel as a decode step runs, so a
 request's attention does not depend on batching, chunking or prefix-cache hits, nor its logits where vLLM's own layers
@@ -47,6 +47,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 from ..kernels import cpu_lut
 from . import pool_calibration
 from .paged_pool import (
+    INT8_METHODS,
     CausalAttention,
     PoolFormat,
     WindowSlots,
@@ -90,7 +91,7 @@ class PoolSettings:
         if not isinstance(self.sink_tokens, int) or not 0 <= self.sink_tokens <= 32:
             raise ValueError(f"kvpack option sink_tokens must be an int in 0..32, got {self.sink_tokens!r}")
         if self.window is None:  # frozen: set once, here
-            object.__setattr__(self, "window", 0 if self.method == "int8" else DEFAULT_WINDOW)
+            object.__setattr__(self, "window", 0 if self.method in INT8_METHODS else DEFAULT_WINDOW)
         if isinstance(self.window, bool) or not isinstance(self.window, int) or not 0 <= self.window <= MAX_WINDOW:
             raise ValueError(f"kvpack option window (each sequence's last tokens also kept in int8 rows) must be an int in 0..{MAX_WINDOW}, got {self.window!r}")
         if not isinstance(self.exact_chunk, bool):
