@@ -27,7 +27,7 @@ from kvpack.serve.paged_pool import (
     write_rows,
 )
 
-METHODS = ["int8", "turboquant:k3v2", "turboquant:k4v4"]
+METHODS = ["int8", "int8:rotated", "turboquant:k3v2", "turboquant:k4v4"]
 
 
 def test_row_bytes_hand_counted():
@@ -39,7 +39,7 @@ def test_row_bytes_hand_counted():
 
 @pytest.mark.parametrize("method", ["shard", "kivi:2", "turboquant:k3v2+ropemean", "turboquant:k3v3+qjl", "turboquant:k5v2", "fp16"])
 def test_refuses_what_a_page_cannot_hold(method):
-    with pytest.raises(ValueError, match="int8, turboquant:kXvY"):
+    with pytest.raises(ValueError, match="int8, int8:rotated, turboquant:kXvY"):
         PoolFormat(method, 64)
 
 
@@ -55,7 +55,7 @@ def test_rows_hold_the_codecs_own_encoding(method):
     fresh_k, fresh_v = fmt.codecs(kv_heads=2, layer_idx=7)
     for x, codec, offset in ((k, fresh_k, 0), (v, fresh_v, 2)):
         packed = codec.encode(x.transpose(0, 1)[None])
-        scale = packed.scale if method == "int8" else packed.norm
+        scale = packed.scale if method.startswith("int8") else packed.norm
         assert torch.equal(rows[:, :, offset : offset + 2].contiguous().view(torch.float16), scale[0].transpose(0, 1))
     kc = fmt.code_bytes[0]
     packed = fresh_k.encode(k.transpose(0, 1)[None])

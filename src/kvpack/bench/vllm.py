@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default=str(DEFAULT_MODEL), help="a model directory vLLM loads (default: SmolLM2-135M converted by kvpack)")
     parser.add_argument("--corpus", help="a text file (default: gensim's lee_background.cor news corpus)")
     parser.add_argument("--methods", nargs="+", default=["turboquant:k3v2"],
-                        help="kvpack pool methods: int8, turboquant:kXvY; turboquant:kXvY+cal uses --calibration; "
+                        help="kvpack pool methods: int8, int8:rotated, turboquant:kXvY; turboquant:kXvY+cal uses --calibration; "
                              "a '@window=N' suffix keeps each sequence's last N tokens exact (e.g. turboquant:k3v2+cal@window=32); "
                              "'@strict' last runs the pool's strict mode (turboquant:k3v2@strict)")
     parser.add_argument("--calibration", help="pool calibration file for +cal methods (python -m kvpack.serve.pool_calibration)")
@@ -249,7 +249,8 @@ def main(argv: list[str] | None = None) -> None:
                              f"'{WINDOW}N', e.g. turboquant:k3v2{CALIBRATED}{WINDOW}32")
         options = {"method": name, **({"calibration": str(Path(args.calibration).resolve())} if cal else {}),
                    **({"window": int(width)} if width else {}), **({"strict": True} if strict else {})}
-        # The pool stores int8 rows (nothing drawn) or TurboQuant codes (a rotation per seed); it refuses anything else.
+        # The pool stores plain int8 rows (nothing drawn), rotated int8 rows or TurboQuant codes (a rotation per seed);
+        # it refuses anything else.
         seeds = args.seeds[:1] if name == "int8" else args.seeds
         draws[method] = [method if i == 0 else f"{method}@seed={seed}" for i, seed in enumerate(seeds)]
         for label, seed in zip(draws[method], seeds, strict=True):

@@ -116,8 +116,9 @@ class PoolFormat:
     def codecs(self, kv_heads: int, layer_idx: int, state: dict[str, torch.Tensor] | None = None) -> tuple[Codec, Codec]:
         """The (key, value) codecs of one layer: static, seeded per (layer, head); when `calibrated`, loaded with the
         layer's `state` (key_mean, key_scale, value_mean `(kv_heads, d)` float32, from `pool_calibration`)."""
-        if self.method == "int8:rotated":
-            return tuple(RotatedInt8Codec(RotatedInt8Config(self.seed), self.head_dim, kv_heads, layer_idx) for _ in range(2))  # type: ignore[return-value]
+        if self.method == "int8:rotated":  # keys and values rotated by the same signs: each side is its own codec
+            config = RotatedInt8Config(self.seed)
+            return RotatedInt8Codec(config, self.head_dim, kv_heads, layer_idx), RotatedInt8Codec(config, self.head_dim, kv_heads, layer_idx)
         if self.bits is None:
             return Int8Codec(Int8Config(), self.head_dim, kv_heads, layer_idx), Int8Codec(Int8Config(), self.head_dim, kv_heads, layer_idx)
         if self.calibrated != (state is not None):
