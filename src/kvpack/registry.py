@@ -440,8 +440,8 @@ def _int8(arg: str) -> MethodConfig:
 
 @method("turboquant", "k4v4", "k3v3", "k3v2", "k3v3+qjl", "k3v2+ropemean")
 def _turboquant(arg: str) -> MethodConfig:
-    match = re.fullmatch(r"k([1-4])v([1-4])(\+qjl)?(\+ropemean)?(\+tcq[kv]?)?", arg or "k3v2")
-    if not match or (match[3] and match[5]):
+    match = re.fullmatch(r"k([1-4])v([1-4])(\+qjl)?(\+ropemean)?(\+tcq[kv]?)?(\+(?:unbiased|match)[kv]?)?", arg or "k3v2")
+    if not match or (match[3] and (match[5] or match[6])):
         raise ValueError(f"turboquant takes 'kXvY' with X, Y in 1..4, then optionally '+qjl' and '+ropemean' and '+tcq' (or '+tcqk', "
                          f"'+tcqv': keys or values only; not with '+qjl') in that order (e.g. turboquant:k3v3, turboquant:k3v2+ropemean), "
                          f"got {arg!r}")
@@ -459,9 +459,15 @@ def _turboquant(arg: str) -> MethodConfig:
     def tcq(side: str, b: int) -> dict:
         return {"trellis": -(-8 // b) * b} if side in sides else {}
 
+    norm_kind = (match[6] or "+").rstrip("kv")[1:]
+    norm_sides = (match[6] or "")[len(norm_kind) + 1:] or "kv"
+
+    def norm(side: str) -> dict:
+        return {"norm": norm_kind} if norm_kind and side in norm_sides else {}
+
     key = CodecSpec("turboquant", {"bits": kb, "qjl": qjl, "center": True, "channel_scale": 0.5, **({"rope_center": True} if match[4] else {}),
-                                   **tcq("k", kb)})
-    return MethodConfig(f"turboquant:{arg or 'k3v2'}", key, CodecSpec("turboquant", {"bits": vb, "center": True, **tcq("v", vb)}))
+                                   **tcq("k", kb), **norm("k")})
+    return MethodConfig(f"turboquant:{arg or 'k3v2'}", key, CodecSpec("turboquant", {"bits": vb, "center": True, **tcq("v", vb), **norm("v")}))
 
 
 @method("polarquant-int4")

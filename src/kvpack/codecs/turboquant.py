@@ -49,6 +49,8 @@ from .base import Codec, Packed, check_state, chunked_scores, chunked_sum, group
 from .rope_keys import UnRopedKeys
 
 ROTATIONS = ("auto", "qr", "hadamard")
+# What a vector's stored scalar holds (TurboQuantConfig.norm).
+NORMS = ("input", "match", "unbiased")
 
 # Fewer vectors per channel than this and the channel mean / RMS are not estimated (see `fit`).
 MIN_FIT_SAMPLES = 32
@@ -80,6 +82,15 @@ class TurboQuantConfig:
         Qwen2's few huge key channels push error into the small channels attention also reads;
         scaled, the error follows each channel's range (KIVI's per-channel insight). The scale
         folds into the query (q⊙σ) and into the output: exact in the compressed domain.
+    norm: the scalar stored beside each vector's codes, which decode multiplies the unit-scale centroids c by.
+        "input" (the paper): ||x||. Lloyd-Max centroids are conditional means, so the reconstruction is shrunk along x
+        by about 1 - D (D the code's per-coordinate MSE on the unit sphere: 0.117 at 2 bits, 0.034 at 3): every score
+        ~D too small and every attention output that averages many values ~D too short, a bias that averaging over
+        tokens does not remove. "match": ||x|| / ||c||, the reconstruction as long as the input (KVQuant's Q-Norm and
+        the INT4 design renormalize their centroids alike). "unbiased": ||x|| / <u, c> (u the rotated unit input), so
+        the reconstruction's component along x is exactly x and its error is orthogonal to it: scores unbiased
+        without QJL's extra bits, at a little more per-vector error (D / (1 - D) against D). Encode-side only: the
+        same bytes, and every kernel reads the stored scalar as it is.
     """
 
     bits: int = 4
@@ -91,6 +102,7 @@ class TurboQuantConfig:
     channel_scale: float = 0.0
     rope_center: bool = False
     trellis: int = 0
+    norm: str = "input"
 
     def __post_init__(self):
         if self.bits not in (1, 2, 3, 4):
@@ -107,6 +119,11 @@ class TurboQuantConfig:
             raise ValueError(f"rope_center must be True or False, got {self.rope_center!r}")
         if self.rope_center and not self.center:
             raise ValueError("rope_center centers keys on their un-RoPEd mean: it needs center=True")
+        if self.norm not in NORMS:
+            raise ValueError(f"norm must be one of {NORMS}, got {self.norm!r}")
+        if self.norm != "input" and self.qjl:
+            raise ValueError(f"norm={self.norm!r} rescales the MSE codes' reconstruction; with qjl the residual stage "
+                             "corrects it instead: use norm='input' with qjl")
         k = self.mse_bits
         if self.trellis and (self.qjl or self.trellis % k or not k < self.trellis <= 12):
             raise ValueError(f"trellis (state bits L of a trellis-coded quantizer; 0: scalar codes) must be a multiple of the "
@@ -351,9 +368,29 @@ class TurboQuantCodec(UnRopedKeys, Codec):
             mean = None
         else:
             mean = self._mean(x.device)
-        fused = self._op_encode(x, mean is not None)
-        if fused is not None:
-            return fused
+        packed = self._op_encode(x, mean is not None)
+        if packed is None:
+            packed = self._encode_torch(x, mean)
+        if self.config.norm != "input" and self.codebook is not None:
+            packed.norm = storable(packed.norm.float() * self._norm_factor(x, mean, packed))
+        return packed
+
+    def _norm_factor(self, x: torch.Tensor, mean: torch.Tensor | None, packed: TurboQuantPacked) -> torch.Tensor:
+        """`(b, kv, t, 1)` factor on the stored ||x|| for `TurboQuantConfig.norm`: 1 / ||c|| ("match") or 1 / <u, c>
+        ("unbiased"), c the codes' unit-scale centroids and u the rotated unit input (`x` as `encode` prepared it)."""
+        c = self._centroids(packed)
+        if self.config.norm == "match":
+            length = c.norm(dim=-1, keepdim=True)
+        else:
+            x = x.float() if mean is None else x.float() - mean
+            scale = self._scale(x.device)
+            _, unit = norm_and_direction(x if scale is None else x / scale)
+            length = (self._rotate(unit) * c).sum(-1, keepdim=True)
+        # A zero vector (norm 0) has nothing to rescale; a code whose centroids have no length along u cannot occur
+        # for Lloyd-Max or trellis codes (each centroid keeps its coordinate's sign), so the floor only guards 0 / 0.
+        return 1.0 / length.clamp_min(1e-6)
+
+    def _encode_torch(self, x: torch.Tensor, mean: torch.Tensor | None) -> TurboQuantPacked:
         x = x.float()
         scale = self._scale(x.device)
         if mean is not None:
