@@ -30,6 +30,8 @@ CODECS = [
     ("turboquant", {"bits": 3, "center": True, "channel_scale": 1.0}, 37),
     ("turboquant", {"bits": 3, "qjl": True, "center": True, "rotation": "qr"}, 37),
     ("turboquant", {"bits": 2, "qjl": True, "rotation": "hadamard", "codebook": "gaussian"}, 37),
+    ("turboquant", {"bits": 2, "center": True, "norm": "unbiased"}, 37),
+    ("turboquant", {"bits": 3, "rotation": "hadamard", "channel_scale": 0.5, "center": True, "norm": "match"}, 37),
     ("polarquant-int4", {}, 37),
     ("qjl", {"sketch_ratio": 1}, 37),
     ("qjl", {"sketch_ratio": 2, "n_outliers": 0}, 37),
@@ -272,6 +274,49 @@ def test_turboquant_mse_stage_shrinks_inner_products(bits):
     se = err.std().item() / math.sqrt(err.numel())
     assert err.mean().item() < -20 * se
     assert err.mean().item() == pytest.approx(-0.6 * expected_mse(d, bits), rel=0.1)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3])
+def test_turboquant_unbiased_norm_removes_the_shrink(bits):
+    # norm="unbiased" stores ||x|| / <u, c>: the reconstruction's component along k is k itself, so <q, k̂> is unbiased
+    # (the MSE stage alone is off by -mse·<q, k>, the test above) and its error is the orthogonal part only, of squared
+    # length mse / (1 - mse) per unit vector, isotropic over the other d - 1 directions.
+    d, heads, n = 128, 128, 160
+    q, k = _pairs(d, heads, n, seed=30 + bits)
+    err = _paired_errors(TurboQuantCodec(TurboQuantConfig(bits, norm="unbiased"), d, heads), q, k)
+    se = err.std().item() / math.sqrt(err.numel())
+    assert abs(err.mean().item()) < 3 * se
+    mse = expected_mse(d, bits)
+    assert err.pow(2).mean().item() == pytest.approx((1 - 0.6**2) * mse / (1 - mse) / (d - 1), rel=0.1)
+
+
+def test_turboquant_match_norm_keeps_each_vector_length():
+    # norm="match" stores ||x|| / ||c||: every reconstruction as long as its input (to fp16's rounding of the scalar),
+    # the shrink along x cut to sqrt(1 - mse) of the input's length from 1 - mse, and no more error than the paper's norm.
+    d = 128
+    x = unit_sphere(6000, d, seed=4) * torch.linspace(0.5, 40.0, 6000)[:, None]
+    for bits in (2, 3):
+        plain = TurboQuantCodec(TurboQuantConfig(bits), d, 1)
+        match = TurboQuantCodec(TurboQuantConfig(bits, norm="match"), d, 1)
+        xh, xp = match.decode(match.encode(x)), plain.decode(plain.encode(x))
+        torch.testing.assert_close(xh.norm(dim=-1), x.norm(dim=-1), rtol=1e-3, atol=0)
+        along = ((xh * x).sum(-1) / x.square().sum(-1)).mean().item()
+        assert along == pytest.approx(math.sqrt(1 - expected_mse(d, bits)), abs=0.005)
+        rel = lambda y: ((y - x).square().sum(-1) / x.square().sum(-1)).mean().item()  # noqa: E731
+        assert rel(xh) <= rel(xp) * 1.03
+
+
+def test_turboquant_norm_option_is_checked():
+    with pytest.raises(ValueError, match=r"norm must be one of \('input', 'match', 'unbiased'\)"):
+        TurboQuantConfig(3, norm="preserve")
+    with pytest.raises(ValueError, match="use norm='input' with qjl"):
+        TurboQuantConfig(3, qjl=True, norm="unbiased")
+    both = get_method("turboquant:k3v2+ropemean+unbiased")
+    assert both.key.options["norm"] == both.value.options["norm"] == "unbiased"
+    values = get_method("turboquant:k3v2+matchv")
+    assert "norm" not in values.key.options and values.value.options["norm"] == "match"
+    with pytest.raises(ValueError, match="turboquant takes"):
+        get_method("turboquant:k3v3+qjl+unbiased")
 
 
 @pytest.mark.parametrize("ratio", [1, 2])

@@ -42,6 +42,15 @@ class Int8Codec(Codec):
     def decode(self, packed: Int8Packed, positions: torch.Tensor | None = None) -> torch.Tensor:
         return packed.codes.float() * packed.scale.float()
 
+    # -- what the int8 kernels (kvpack.kernels.int8, the paged pool's) read: the same two maps as TurboQuant's ---------
+    def kernel_query(self, q: torch.Tensor) -> tuple[torch.Tensor, None]:
+        """Grouped query `(b, kv, rows, d)` -> (the query the codes are scored against, no mean term): `q` itself."""
+        return q, None
+
+    def kernel_output(self, o: torch.Tensor, denom: torch.Tensor) -> torch.Tensor:
+        """The kernels' weighted sum of the codes `(b, kv, rows, d)` -> the weighted sum of the values: `o` itself."""
+        return o
+
     def _use_kernels(self, packed: Int8Packed, rows: int) -> bool:
         """The CPU kernels for decode-sized row counts over float16 scales (a block past fp16's range keeps float32 ones)."""
         return rows <= kernels.MAX_KERNEL_ROWS and packed.codes.device.type == "cpu" and packed.scale.dtype == torch.float16 and kernels.available()

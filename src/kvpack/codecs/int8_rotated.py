@@ -67,6 +67,14 @@ class RotatedInt8Codec(Int8Codec):
         signs, h = self._signs_for(y.shape[1], y.device)
         return (y.float() @ h) * signs
 
+    def kernel_query(self, q: torch.Tensor) -> tuple[torch.Tensor, None]:
+        """The query rotated as the keys were: `(R q) · (R k) = q · k`."""
+        return self.rotate(q), None
+
+    def kernel_output(self, o: torch.Tensor, denom: torch.Tensor) -> torch.Tensor:
+        """`Σ p_t R v_t` rotated back to `Σ p_t v_t`."""
+        return self.unrotate(o)
+
     def encode(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> Int8Packed:
         self._check(x)
         return super().encode(self.rotate(x), positions)

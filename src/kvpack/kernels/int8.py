@@ -14,16 +14,13 @@ from .table import Kernel, Partial, Request, register
 
 
 def int8_partial(q: torch.Tensor, seg, req: Request) -> Partial:
+    """q `(b, kv, rows, d)` grouped; the codecs' `kernel_query` / `kernel_output` map it onto the codes and the sum back
+    (the identity for plain rows, the rotation and its inverse for rotated ones)."""
     keys, values = seg.keys, seg.values
-    return ops.run("int8_attention", q, keys.codes, keys.scale, values.codes, values.scale, req.scale, None, 0.0, req.skip)
+    q_codes, _ = seg.key_codec.kernel_query(q)
+    m, denom, o = ops.run("int8_attention", q_codes, keys.codes, keys.scale, values.codes, values.scale, req.scale, None, 0.0, req.skip)
+    return m, denom, seg.value_codec.kernel_output(o, denom)
 
 
 INT8 = register(Kernel(("int8", "int8"), int8_partial, op="int8_attention"))
-
-
-def rotated_int8_partial(q: torch.Tensor, seg, req: Request) -> Partial:
-    m, denom, o = int8_partial(seg.key_codec.rotate(q), seg, req)  # q (b, kv, rows, d): rotated per kv head
-    return m, denom, seg.value_codec.unrotate(o)
-
-
-ROTATED_INT8 = register(Kernel(("int8_rotated", "int8_rotated"), rotated_int8_partial, op="int8_attention"))
+ROTATED_INT8 = register(Kernel(("int8_rotated", "int8_rotated"), int8_partial, op="int8_attention"))

@@ -289,11 +289,9 @@ def pool_partial(fmt: PoolFormat, codecs: tuple[Codec, Codec], query: torch.Tens
     heads = query.shape[1]
     if paged and fmt.bits is None:  # int8 rows: read as stored; rotated rows take the query rotated and rotate the sum back
         kc, vc = codecs
-        rotated = isinstance(kc, RotatedInt8Codec)
-        q = group_query(query.float(), kv)
-        m, denom, o = ops.run("int8_paged_attention", kc.rotate(q) if rotated else q, pool, block_table, start, visible[:, 0].long(),
-                              list(fmt.offsets), scale)
-        return ungroup(m, heads), ungroup(denom, heads), ungroup(vc.unrotate(o) if rotated else o, heads)
+        q_codes, _ = kc.kernel_query(group_query(query.float(), kv))
+        m, denom, o = ops.run("int8_paged_attention", q_codes, pool, block_table, start, visible[:, 0].long(), list(fmt.offsets), scale)
+        return ungroup(m, heads), ungroup(denom, heads), ungroup(vc.kernel_output(o, denom), heads)
     if paged:
         kc, vc = codecs
         q_rot, offset = kc.kernel_query(group_query(query.float(), kv))
