@@ -329,6 +329,70 @@ def test_tq_encode_cpu_kernel_matches_reference(d, bits, fitted, dtype, t):
     with pytest.raises(ValueError, match="power-of-two head_dim"):
         cpu_lut.tq_encode(torch.randn(1, H, 4, 12), None, None, torch.ones(H, 12), boundaries, bits)
 
+def assert_match_encode(norm, codes, ref_norm, ref_codes, args, centroids) -> None:
+    """`tq_encode` with centroids against the reference: codes equal except ties, stored scalars equal (to fp16's
+    rounding) on rows without a tie; and, independently of either, every reconstruction norm·c[codes] as long as the
+    centered, scaled input x' (the option's contract), to fp16's rounding of the scalar."""
+    x, mean, inv_scale, signs, boundaries, bits = args
+    _, y = reference.tq_rotated_unit(x, mean, inv_scale, signs)
+    d = x.shape[-1]
+    got, want, ties = unpack_bits(codes, bits, d).long(), unpack_bits(ref_codes, bits, d).long(), near_boundary(y, boundaries)
+    assert ((got == want) | (ties & ((got - want).abs() == 1))).all(), f"{int((got != want).sum())} codes differ"
+    clean = ~ties.any(-1, keepdim=True)
+    assert clean.float().mean() > 0.9
+    assert_norms_equal_except_ties(norm[clean], ref_norm[clean])
+    xp = x.float() - (0 if mean is None else mean[None, :, None])
+    xp = xp * (1 if inv_scale is None else inv_scale[None, :, None])
+    length = norm.float() * centroids[unpack_bits(codes, bits, x.shape[-1]).long()].norm(dim=-1, keepdim=True)
+    torch.testing.assert_close(length, xp.norm(dim=-1, keepdim=True), rtol=2 * torch.finfo(torch.float16).eps, atol=1e-6)
+
+
+MATCH_ENCODE_CASES = [(64, 3, True, 700), (64, 2, False, 300), (128, 4, True, 90), (256, 3, True, 130)]  # d, bits, fitted, tokens
+
+
+@pytest.mark.skipif(not cpu_lut.available(), reason="the C++ kernels did not build")
+@pytest.mark.parametrize("d,bits,fitted,t", MATCH_ENCODE_CASES, ids=[f"d{c[0]}-b{c[1]}-t{c[3]}" for c in MATCH_ENCODE_CASES])
+def test_tq_encode_match_cpu_kernel_matches_reference(d, bits, fitted, t):
+    """The stored scalar divided by the length of the row's centroids (`norm="match"`), C++ against the torch reference;
+    a vector that centers to zero still stores 0."""
+    gen = torch.Generator().manual_seed(d * 7 + bits)
+    x = (torch.randn(2, H, t, d, generator=gen) * 2 + 0.5)
+    mean = torch.randn(H, d, generator=gen) if fitted else None
+    inv_scale = torch.rand(H, d, generator=gen) + 0.5 if fitted else None
+    x[1, 0, 3] = 0 if mean is None else mean[0]
+    signs = (torch.randint(0, 2, (H, d), generator=gen) * 2 - 1).float()
+    book = lloyd_max_codebook(d, bits, "gaussian")
+    args = (x, mean, inv_scale, signs, book.boundaries, bits)
+    norm, codes = cpu_lut.tq_encode(*args, book.centroids)
+    ref_norm, ref_codes = reference.tq_encode(*args, book.centroids)
+    assert norm[1, 0, 3].item() == 0 and norm.dtype == torch.float16
+    assert_match_encode(norm, codes, ref_norm, ref_codes, args, book.centroids)
+    plain, _ = cpu_lut.tq_encode(*args)
+    # Lloyd-Max centroids fall short of the unit input on average (their length is about sqrt(1 - mse)), though a
+    # given row's may be longer: the scalars rise on the mean.
+    live = plain.float() > 0
+    assert (norm.float()[live] / plain.float()[live]).mean() > 1.0
+    with pytest.raises(ValueError, match="centroids"):
+        cpu_lut.tq_encode(*args, book.centroids[:-1])
+
+
+def test_match_codec_stores_the_same_scalar_fused_and_in_torch():
+    """A `norm="match"` codec's fused encode (the op given its centroids) and its torch path (codes first, then the
+    scalar from their centroids) store the same codes and scalars, except at ties."""
+    d, bits = 64, 2
+    codec = TurboQuantCodec(TurboQuantConfig(bits=bits, center=True, channel_scale=0.5, norm="match"), d, H)
+    x = torch.randn(B, H, 90, d, generator=torch.Generator().manual_seed(6)) * 2 - 1
+    codec.fit(x)
+    fused = codec.encode(x)
+    torch_path = codec._encode_torch(x, codec._mean(x.device))
+    assert fused.norm.dtype == torch_path.norm.dtype == torch.float16
+    signs = codec._hadamard_signs(x.device)[:, 0]
+    _, y = reference.tq_rotated_unit(x, codec.mean, 1 / codec.scale, signs)
+    assert_codes_equal_except_ties(fused.codes, torch_path.codes, y, codec.codebook.boundaries, bits)
+    clean = ~near_boundary(y, codec.codebook.boundaries).any(-1, keepdim=True)
+    torch.testing.assert_close(fused.norm[clean].float(), torch_path.norm[clean].float(), rtol=2e-3, atol=0)
+
+
 def test_codec_encodes_through_the_op_off_the_cpu_path(monkeypatch):
     """Under the "triton" backend (a GPU's path; here Triton's interpreter, or the CPU fallback it names) an MSE-only
     Hadamard codec encodes through `kvpack::tq_encode`, equal to its torch encode except values on a boundary; a

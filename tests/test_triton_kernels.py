@@ -41,6 +41,7 @@ from test_ops import (
     H,
     T,
     assert_codes_equal_except_ties,
+    assert_match_encode,
     assert_norms_equal_except_ties,
     int8_inputs,
     kivi_inputs,
@@ -352,6 +353,22 @@ def test_tq_encode(d, bits, fitted):
     _, y = reference.tq_rotated_unit(*args[:4])
     assert_codes_equal_except_ties(codes, ref_codes, y, boundaries, bits)
 
+
+
+@in_process
+@pytest.mark.parametrize("d,bits,fitted", [(64, 3, True), (128, 2, False)], ids=["d64-b3-fitted", "d128-b2"])
+def test_tq_encode_match(d, bits, fitted):
+    """`tq_encode` given the centroids (`norm="match"`) in Triton against the torch reference."""
+    gen = torch.Generator().manual_seed(d * 3 + bits)
+    x = torch.randn(B, H, T, d, generator=gen) * 2 + 0.5
+    mean = torch.randn(H, d, generator=gen) if fitted else None
+    inv_scale = torch.rand(H, d, generator=gen) + 0.5 if fitted else None
+    signs = (torch.randint(0, 2, (H, d), generator=gen) * 2 - 1).float()
+    book = lloyd_max_codebook(d, bits, "gaussian")
+    args = (x, mean, inv_scale, signs, book.boundaries, bits)
+    norm, codes = on_device(run_triton, "tq_encode", *args, book.centroids)
+    ref_norm, ref_codes = reference.tq_encode(*args, book.centroids)
+    assert_match_encode(norm, codes, ref_norm, ref_codes, args, book.centroids)
 
 
 # -- KIVI encode --------------------------------------------------------------------------------------------

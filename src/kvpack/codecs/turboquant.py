@@ -30,6 +30,7 @@ import torch
 from .. import kernels
 from ..kernels import cpu_lut, ops
 from ..kernels import tq as _kernel  # noqa: F401  (registers the ("tq", "tq") entry `kernel_kind` names)
+from ..kernels.reference import MATCH_FLOOR
 from ..primitives import trellis
 from ..primitives.lloyd_max import DISTRIBUTIONS, Codebook, lloyd_max_codebook
 from ..primitives.packing import pack_bits, unpack_bits
@@ -90,7 +91,8 @@ class TurboQuantConfig:
         the INT4 design renormalize their centroids alike). "unbiased": ||x|| / <u, c> (u the rotated unit input), so
         the reconstruction's component along x is exactly x and its error is orthogonal to it: scores unbiased
         without QJL's extra bits, at a little more per-vector error (D / (1 - D) against D). Encode-side only: the
-        same bytes, and every kernel reads the stored scalar as it is.
+        same bytes, and every attention kernel reads the stored scalar as it is; "match" runs inside the fused encode
+        (`kvpack::tq_encode` given the centroids), "unbiased" on the torch path (it needs the rotated input).
     """
 
     bits: int = 4
@@ -369,28 +371,28 @@ class TurboQuantCodec(UnRopedKeys, Codec):
         else:
             mean = self._mean(x.device)
         packed = self._op_encode(x, mean is not None)
-        if packed is None:
-            packed = self._encode_torch(x, mean)
-        if self.config.norm != "input" and self.codebook is not None:
-            packed.norm = storable(packed.norm.float() * self._norm_factor(x, mean, packed))
-        return packed
+        return packed if packed is not None else self._encode_torch(x, mean)
 
-    def _norm_factor(self, x: torch.Tensor, mean: torch.Tensor | None, packed: TurboQuantPacked) -> torch.Tensor:
-        """`(b, kv, t, 1)` factor on the stored ||x|| for `TurboQuantConfig.norm`: 1 / ||c|| ("match") or 1 / <u, c>
-        ("unbiased"), c the codes' unit-scale centroids and u the rotated unit input (`x` as `encode` prepared it)."""
+    def _norm_factor(self, y: torch.Tensor, packed: TurboQuantPacked) -> torch.Tensor:
+        """`(b, kv, t, 1)` factor on ||x|| for `TurboQuantConfig.norm`: 1 / ||c|| ("match") or 1 / <y, c> ("unbiased"),
+        c the codes' unit-scale centroids and y `(b, kv, t, d)` the rotated unit input."""
         c = self._centroids(packed)
-        if self.config.norm == "match":
-            length = c.norm(dim=-1, keepdim=True)
-        else:
-            x = x.float() if mean is None else x.float() - mean
-            scale = self._scale(x.device)
-            _, unit = norm_and_direction(x if scale is None else x / scale)
-            length = (self._rotate(unit) * c).sum(-1, keepdim=True)
-        # A zero vector (norm 0) has nothing to rescale; a code whose centroids have no length along u cannot occur
+        length = c.norm(dim=-1, keepdim=True) if self.config.norm == "match" else (y * c).sum(-1, keepdim=True)
+        # A zero vector (norm 0) has nothing to rescale; a code whose centroids have no length along y cannot occur
         # for Lloyd-Max or trellis codes (each centroid keeps its coordinate's sign), so the floor only guards 0 / 0.
-        return 1.0 / length.clamp_min(1e-6)
+        return 1.0 / length.clamp_min(MATCH_FLOOR)
 
     def _encode_torch(self, x: torch.Tensor, mean: torch.Tensor | None) -> TurboQuantPacked:
+        packed, y = self._encode_codes(x, mean)
+        if self.config.norm != "input" and self.codebook is not None:
+            packed.norm = storable(packed.norm * self._norm_factor(y, packed))
+        elif packed.norm.dtype == torch.float32 and packed.residual_norm is None:
+            packed.norm = storable(packed.norm)
+        return packed
+
+    def _encode_codes(self, x: torch.Tensor, mean: torch.Tensor | None) -> tuple[TurboQuantPacked, torch.Tensor]:
+        """(packed codes with the float32 norm ||x'|| still unrounded (QJL's: rounded, as its residual needs), the
+        rotated unit vectors y) of `x` centered by `mean` and scaled by the channel scale."""
         x = x.float()
         scale = self._scale(x.device)
         if mean is not None:
@@ -399,26 +401,26 @@ class TurboQuantCodec(UnRopedKeys, Codec):
             x = x / scale
         norm, unit = norm_and_direction(x)
         y = self._rotate(unit)  # (b, kv, t, d) rotated unit vectors
-        norm16 = storable(norm)  # float32 for a block whose norms pass fp16's range (attention then skips the fused kernels)
         if self.codebook is None:
             codes = torch.empty(*x.shape[:3], 0, dtype=torch.uint8, device=x.device)
             y_hat = torch.zeros_like(y)
         elif self._trellis_book is not None:
             symbols = ops.trellis_encode(y * math.sqrt(self.head_dim), self._on("trellis_book", self._trellis_book, y.device), self.mse_bits)
-            return TurboQuantPacked(x.shape[2], norm16, pack_bits(symbols, self.mse_bits))
+            return TurboQuantPacked(x.shape[2], norm, pack_bits(symbols, self.mse_bits)), y
         elif not self.config.qjl and y.device.type == "cpu" and kernels.available():
             # Bucketize + pack in one pass (the reconstruction y_hat only feeds the QJL residual).
-            return TurboQuantPacked(x.shape[2], norm16, kernels.cpu_lut.quantize_pack(y, self.codebook.boundaries, self.mse_bits))
+            return TurboQuantPacked(x.shape[2], norm, kernels.cpu_lut.quantize_pack(y, self.codebook.boundaries, self.mse_bits)), y
         else:
             idx = torch.bucketize(y.contiguous(), self._on("boundaries", self.codebook.boundaries, y.device)).to(torch.uint8)
             codes = pack_bits(idx, self.mse_bits)
             y_hat = self._lookup(idx) if self.config.qjl else None
         if not self.config.qjl:
-            return TurboQuantPacked(x.shape[2], norm16, codes)
+            return TurboQuantPacked(x.shape[2], norm, codes), y
         # Residual in the original scale against what decode will actually produce (fp16 norm).
+        norm16 = storable(norm)  # float32 for a block whose norms pass fp16's range (attention then skips the fused kernels)
         r = norm * y - norm16.float() * y_hat  # rotated residual Π(x - x̂)
         bits = (r @ self.sketch(x.device).mT >= 0).to(torch.uint8)
-        return TurboQuantPacked(x.shape[2], norm16, codes, storable(r.norm(dim=-1, keepdim=True)), pack_bits(bits, 1))
+        return TurboQuantPacked(x.shape[2], norm16, codes, storable(r.norm(dim=-1, keepdim=True)), pack_bits(bits, 1)), y
 
     def _op_encode(self, x: torch.Tensor, centered: bool) -> TurboQuantPacked | None:
         """An MSE-only codec with a randomized Hadamard encodes through the `kvpack::tq_encode` op, subtracting its fitted
@@ -428,7 +430,7 @@ class TurboQuantCodec(UnRopedKeys, Codec):
         on CPU the encode was a serving engine's largest cost after attention, docs/guide/vllm-pool.md). None where it
         does not apply: QJL, trellis codes, dense rotations, CPU without the C++ kernels (unless the backend is Triton's
         interpreter)."""
-        if self.config.qjl or self.codebook is None or self._trellis_book is not None:
+        if self.config.qjl or self.codebook is None or self._trellis_book is not None or self.config.norm == "unbiased":
             return None
         if x.device.type == "cpu" and ops.get_backend() is not ops.Backend.TRITON and not kernels.available():
             return None
@@ -437,8 +439,9 @@ class TurboQuantCodec(UnRopedKeys, Codec):
             return None
         mean = None if self.mean is None or not centered else self._on("mean", self.mean, x.device)
         inv_scale = None if self.scale is None else 1.0 / self._on("scale", self.scale, x.device)
+        centroids = self._on("centroids", self.codebook.centroids, x.device) if self.config.norm == "match" else None
         norm, codes = ops.tq_encode(x, mean, inv_scale, signs[:, 0], self._on("boundaries", self.codebook.boundaries, x.device),
-                                    self.mse_bits)
+                                    self.mse_bits, centroids)
         if checks_values(norm) and not torch.isfinite(norm).all():
             return None  # norms past fp16's range: the torch path stores them in float32 (`storable`)
         return TurboQuantPacked(x.shape[2], norm, codes)

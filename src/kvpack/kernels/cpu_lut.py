@@ -455,16 +455,17 @@ def quantize_pack_reference(y: torch.Tensor, boundaries: torch.Tensor, bits: int
 
 
 def tq_encode(x: torch.Tensor, mean: torch.Tensor | None, inv_scale: torch.Tensor | None, signs: torch.Tensor,
-              boundaries: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+              boundaries: torch.Tensor, bits: int, centroids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`reference.tq_encode` in C++, one pass per row: x (B, H, T, d) float -> (norm (B, H, T, 1) f16, codes
     (B, H, T, d·bits/8) u8). The Hadamard runs as butterflies where the reference multiplies by the dense matrix, so a
     coordinate within float32 rounding of a boundary may take the neighbouring code. Falls back to the torch reference
     off the CPU or without the kernels."""
     if not (available() and isinstance(x, torch.Tensor) and x.device.type == "cpu"):
-        return reference.tq_encode(x, mean, inv_scale, signs, boundaries, bits)
-    reference.check_tq_encode(x, mean, inv_scale, signs, boundaries, bits)
+        return reference.tq_encode(x, mean, inv_scale, signs, boundaries, bits, centroids)
+    reference.check_tq_encode(x, mean, inv_scale, signs, boundaries, bits, centroids)
     norm, codes = extension().tq_encode(x.float(), _NONE if mean is None else mean, _NONE if inv_scale is None else inv_scale,
-                                        signs, boundaries, bits)
+                                        signs, boundaries, bits, _NONE if centroids is None else centroids.contiguous(),
+                                        reference.MATCH_FLOOR)
     return norm, codes
 
 

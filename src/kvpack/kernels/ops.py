@@ -381,14 +381,14 @@ pca_vq_attention = define(
 )
 
 
-def _tq_encode_fake(x, mean, inv_scale, signs, boundaries, bits):
+def _tq_encode_fake(x, mean, inv_scale, signs, boundaries, bits, centroids=None):
     b, h, t, d = x.shape
     return x.new_empty((b, h, t, 1), dtype=torch.float16), x.new_empty((b, h, t, d * bits // 8), dtype=torch.uint8)
 
 
 tq_encode = define(
     "tq_encode",
-    "(Tensor x, Tensor? mean, Tensor? inv_scale, Tensor signs, Tensor boundaries, SymInt bits) -> (Tensor, Tensor)",
+    "(Tensor x, Tensor? mean, Tensor? inv_scale, Tensor signs, Tensor boundaries, SymInt bits, Tensor? centroids=None) -> (Tensor, Tensor)",
     reference.tq_encode,
     _tq_encode_fake,
     triton="triton_encode",

@@ -39,6 +39,9 @@ from ..primitives.rotation import is_power_of_two, randomized_hadamard
 # Tokens per step of the references. Bounds temporaries to B·H·TOKEN_CHUNK·max(d, R) floats; 512 keeps
 # each step a matmul large enough that the Python loop costs little.
 TOKEN_CHUNK = 512
+# The floor of a reconstruction's length when `tq_encode` matches it to the input's (centroids given): a code's
+# unit-scale centroids have a length near 1, so only a degenerate codebook comes near it.
+MATCH_FLOOR = 1e-6
 TQ_BITS = (1, 2, 3, 4)
 TRELLIS_MAX_BITS = 12  # the widest trellis state a TurboQuant table may index (a 16 KiB table)
 KIVI_BITS = (2, 4)
@@ -235,7 +238,7 @@ def check_pca_vq_attention(q, pos0, bitpos, bits, qmax, basis_t, mean, inv_freq,
     check_mask(q, t, None, bias, softcap)
 
 
-def check_tq_encode(x, mean, inv_scale, signs, boundaries, bits) -> None:
+def check_tq_encode(x, mean, inv_scale, signs, boundaries, bits, centroids=None) -> None:
     if not isinstance(x, torch.Tensor) or x.dim() != 4:
         raise ValueError(f"x must be a 4-D tensor (batch, kv_heads, tokens, head_dim), got {getattr(x, 'shape', type(x).__name__)}")
     expect("x", x, _FLOATS, (None,) * 4, x.device)
@@ -248,6 +251,8 @@ def check_tq_encode(x, mean, inv_scale, signs, boundaries, bits) -> None:
             expect(name, t, (torch.float32,), (h, d), x.device)
     expect("signs", signs, (torch.float32,), (h, d), x.device)
     expect("boundaries", boundaries, (torch.float32,), (2**bits - 1,), x.device)
+    if centroids is not None:
+        expect("centroids", centroids, (torch.float32,), (2**bits,), x.device)
 
 
 def check_trellis_encode(y, codebook, bits) -> None:
@@ -713,20 +718,26 @@ def tq_encode(
     signs: torch.Tensor,
     boundaries: torch.Tensor,
     bits: int,
+    centroids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """TurboQuant MSE encode: x (B, H, T, d) float, d a power of two; mean, inv_scale (H, d) float32 or
     None; signs (H, d) float32 ±1 (the randomized Hadamard of each head); boundaries (2**bits - 1,)
     float32, sorted. Code = number of boundaries strictly below y (`torch.bucketize`, as
-    `Codebook.quantize`), bit-packed LSB-first (`pack_bits`).
+    `Codebook.quantize`), bit-packed LSB-first (`pack_bits`). centroids (2**bits,) float32 or None: when given, the
+    stored scalar is ||x'|| / ||c[codes]|| (floored at 1e-6), the reconstruction as long as the input
+    (`TurboQuantConfig.norm = "match"`); otherwise ||x'||.
 
     Returns (norm (B, H, T, 1) float16, codes (B, H, T, d·bits/8) uint8).
     """
-    check_tq_encode(x, mean, inv_scale, signs, boundaries, bits)
+    check_tq_encode(x, mean, inv_scale, signs, boundaries, bits, centroids)
     norms, codes = [], []
     for t0 in range(0, x.shape[2], TOKEN_CHUNK):
         norm, y = tq_rotated_unit(x[:, :, t0 : t0 + TOKEN_CHUNK], mean, inv_scale, signs)
+        idx = torch.bucketize(y, boundaries)
+        if centroids is not None:
+            norm = norm / centroids[idx].square().sum(-1, keepdim=True).sqrt().clamp_min(MATCH_FLOOR)
         norms.append(norm.half())
-        codes.append(pack_bits(torch.bucketize(y, boundaries), bits))
+        codes.append(pack_bits(idx, bits))
     if not norms:  # no tokens
         b, h, _, d = x.shape
         return x.new_empty((b, h, 0, 1), dtype=torch.float16), x.new_empty((b, h, 0, d * bits // 8), dtype=torch.uint8)

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .reference import check_kivi_encode, check_tq_encode, check_trellis_encode
+from .reference import MATCH_FLOOR, check_kivi_encode, check_tq_encode, check_trellis_encode
 
 
 @triton.jit
@@ -40,11 +40,11 @@ def _store_packed(code, row_ptrs, row_ok, BITS: tl.constexpr, NBYTES: tl.constex
 @triton.jit
 def _tq_encode_kernel(
     x_ptr, sx_b, sx_h, sx_t,
-    mean_ptr, inv_ptr, signs_ptr, bounds_ptr,
+    mean_ptr, inv_ptr, signs_ptr, bounds_ptr, cent_ptr,
     norm_ptr, codes_ptr,
-    H, T, sqrt_d, tiny,
+    H, T, sqrt_d, tiny, floor,
     D: tl.constexpr, LOG2_D: tl.constexpr, BITS: tl.constexpr, BLOCK_T: tl.constexpr,
-    HAS_MEAN: tl.constexpr, HAS_SCALE: tl.constexpr,
+    HAS_MEAN: tl.constexpr, HAS_SCALE: tl.constexpr, MATCH: tl.constexpr,
 ):
     pid_bh = tl.program_id(0).to(tl.int64)
     b, h = pid_bh // H, pid_bh % H
@@ -71,6 +71,9 @@ def _tq_encode_kernel(
     for i in tl.static_range((1 << BITS) - 1):
         code += (y > tl.load(bounds_ptr + i)).to(tl.int32)
     _store_packed(code, codes_ptr + (pid_bh * T + toks)[:, None] * (D * BITS // 8), tok_ok[:, None], BITS, D * BITS // 8, D)
+    if MATCH:  # the stored scalar makes the reconstruction as long as the input: ||x'|| / ||c[code]||
+        c = tl.load(cent_ptr + code)
+        norm = tl.div_rn(norm, tl.maximum(tl.sqrt_rn(tl.sum(c * c, 1)), floor))
     tl.store(norm_ptr + pid_bh * T + toks, norm.to(tl.float16), mask=tok_ok)
 
 
@@ -90,9 +93,10 @@ def tq_encode(
     signs: torch.Tensor,
     boundaries: torch.Tensor,
     bits: int,
+    centroids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton `reference.tq_encode`: -> (norm (B, H, T, 1) float16, codes (B, H, T, d·bits/8) uint8)."""
-    check_tq_encode(x, mean, inv_scale, signs, boundaries, bits)
+    check_tq_encode(x, mean, inv_scale, signs, boundaries, bits, centroids)
     _check_device(x)
     b, h, t, d = x.shape
     norm = torch.empty((b, h, t, 1), dtype=torch.float16, device=x.device)
@@ -108,10 +112,10 @@ def tq_encode(
     _tq_encode_kernel[(b * h, triton.cdiv(t, block_t))](
         x, x.stride(0), x.stride(1), x.stride(2),
         signs if mean is None else mean.contiguous(), signs if inv_scale is None else inv_scale.contiguous(),
-        signs, boundaries.contiguous(), norm, codes,
-        h, t, math.sqrt(d), torch.finfo(torch.float32).tiny,
+        signs, boundaries.contiguous(), signs if centroids is None else centroids.contiguous(), norm, codes,
+        h, t, math.sqrt(d), torch.finfo(torch.float32).tiny, MATCH_FLOOR,
         D=d, LOG2_D=d.bit_length() - 1, BITS=bits, BLOCK_T=block_t,
-        HAS_MEAN=mean is not None, HAS_SCALE=inv_scale is not None,
+        HAS_MEAN=mean is not None, HAS_SCALE=inv_scale is not None, MATCH=centroids is not None,
     )
     return norm, codes
 

@@ -58,18 +58,21 @@ torch::Tensor quantize_pack(torch::Tensor y, torch::Tensor boundaries, int64_t b
 // TurboQuant's whole MSE encode, one pass per row: x (B, H, T, D) f32 (D a power of two), mean and inv_scale (H, D)
 // f32 or empty, signs (H, D) f32 ±1, boundaries (2**bits - 1,) f32 sorted. For each row u = x' / ||x'|| with
 // x' = (x - mean) ⊙ inv_scale (u = 0 when x' = 0), y = FWHT(signs ⊙ u) / sqrt(D), codes = boundaries strictly below
-// each y_j, bit-packed LSB-first. Returns (norm (B, H, T, 1) f16, codes (B, H, T, D·bits/8) u8). The torch path
+// each y_j, bit-packed LSB-first. With centroids (2**bits,) f32 (non-empty) the stored scalar is ||x'|| divided by the
+// length of the row's centroids c[codes] (at least `floor`): the reconstruction as long as the input. Returns
+// (norm (B, H, T, 1) f16, codes (B, H, T, D·bits/8) u8). The torch path
 // takes about eight ops and as many float copies of the block per side and layer; a serving engine's write path
 // runs it for every token of every prefill step.
 std::vector<torch::Tensor> tq_encode(torch::Tensor x, torch::Tensor mean, torch::Tensor inv_scale, torch::Tensor signs,
-                                     torch::Tensor boundaries, int64_t bits) {
+                                     torch::Tensor boundaries, int64_t bits, torch::Tensor centroids, double floor) {
   x = x.contiguous();
   signs = signs.contiguous();
   boundaries = boundaries.contiguous();
   const int64_t B = x.size(0), H = x.size(1), T = x.size(2), D = x.size(3);
   TORCH_CHECK(D >= 8 && (D & (D - 1)) == 0, "tq_encode: head_dim must be a power of two >= 8");
   TORCH_CHECK(bits >= 1 && bits <= 4 && boundaries.numel() == (1 << bits) - 1, "tq_encode: 2**bits - 1 boundaries, bits in 1..4");
-  const bool centered = mean.numel() > 0, scaled = inv_scale.numel() > 0;
+  const bool centered = mean.numel() > 0, scaled = inv_scale.numel() > 0, matched = centroids.numel() > 0;
+  TORCH_CHECK(!matched || centroids.numel() == (1 << bits), "tq_encode: 2**bits centroids");
   if (centered) mean = mean.contiguous();
   if (scaled) inv_scale = inv_scale.contiguous();
   TORCH_CHECK(signs.numel() == H * D && (!centered || mean.numel() == H * D) && (!scaled || inv_scale.numel() == H * D),
@@ -83,6 +86,8 @@ std::vector<torch::Tensor> tq_encode(torch::Tensor x, torch::Tensor mean, torch:
   const float* sp = scaled ? inv_scale.data_ptr<float>() : nullptr;
   const float* gp = signs.data_ptr<float>();
   const float* bnd = boundaries.data_ptr<float>();
+  const float* cen = matched ? centroids.data_ptr<float>() : nullptr;
+  const float floor_f = static_cast<float>(floor);
   const int nb = static_cast<int>(boundaries.numel());
   at::Half* np = norm.data_ptr<at::Half>();
   uint8_t* cp = codes.data_ptr<uint8_t>();
@@ -113,7 +118,6 @@ std::vector<torch::Tensor> tq_encode(torch::Tensor x, torch::Tensor mean, torch:
       float sq = 0.f;
       for (int l = 0; l < 8; ++l) sq += part[l];
       const float n = std::sqrt(sq);
-      np[row] = static_cast<at::Half>(n);
       const float inv = 1.f / std::max(n, tiny);
       for (int64_t j = 0; j < D; ++j) y[j] = y[j] * inv * gh[j];
       butterflies(y, D);
@@ -125,6 +129,16 @@ std::vector<torch::Tensor> tq_encode(torch::Tensor x, torch::Tensor mean, torch:
       for (int k = 0; k < nb; ++k) {
         const float b = bnd[k];
         for (int64_t j = 0; j < D; ++j) idx[j] += b < y[j] ? 1 : 0;
+      }
+      if (matched) {
+        float cp8[8] = {};
+        for (int64_t j = 0; j < D; j += 8)
+          for (int l = 0; l < 8; ++l) cp8[l] += cen[idx[j + l]] * cen[idx[j + l]];
+        float len = 0.f;
+        for (int l = 0; l < 8; ++l) len += cp8[l];
+        np[row] = static_cast<at::Half>(n / std::max(std::sqrt(len), floor_f));
+      } else {
+        np[row] = static_cast<at::Half>(n);
       }
       // Eight codes fill exactly `bits` bytes, LSB first.
       uint8_t* o = cp + row * nbytes;
