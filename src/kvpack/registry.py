@@ -438,13 +438,13 @@ def _int8(arg: str) -> MethodConfig:
     return MethodConfig(f"int8:{arg}" if arg else "int8", spec, spec)
 
 
-@method("turboquant", "k4v4", "k3v3", "k3v2", "k3v3+qjl", "k3v2+ropemean")
+@method("turboquant", "k4v4", "k3v3", "k3v2", "k3v3+qjl", "k3v2+ropemean", "k3v2+ropemean+match")
 def _turboquant(arg: str) -> MethodConfig:
     match = re.fullmatch(r"k([1-4])v([1-4])(\+qjl)?(\+ropemean)?(\+tcq[kv]?)?(\+(?:unbiased|match)[kv]?)?", arg or "k3v2")
     if not match or (match[3] and (match[5] or match[6])):
-        raise ValueError(f"turboquant takes 'kXvY' with X, Y in 1..4, then optionally '+qjl' and '+ropemean' and '+tcq' (or '+tcqk', "
-                         f"'+tcqv': keys or values only; not with '+qjl') in that order (e.g. turboquant:k3v3, turboquant:k3v2+ropemean), "
-                         f"got {arg!r}")
+        raise ValueError(f"turboquant takes 'kXvY' with X, Y in 1..4, then optionally '+qjl', '+ropemean', '+tcq' (or '+tcqk', "
+                         f"'+tcqv': keys or values only) and '+match' or '+unbiased' (or with k / v: one side), in that order, "
+                         f"'+qjl' with neither of the last two (e.g. turboquant:k3v3, turboquant:k3v2+ropemean+match), got {arg!r}")
     kb, vb, qjl = int(match[1]), int(match[2]), bool(match[3])
     # kvpack normalizes before TurboQuant (see TurboQuantConfig): keys are centered and divided by
     # RMS^0.5 per channel (Qwen2's outlier channels; full RMS scaling cost SmolLM2 +1.7% at 3 bits,
@@ -453,7 +453,9 @@ def _turboquant(arg: str) -> MethodConfig:
     # turns with position, which a post-RoPE mean cannot remove (docs/notes/decisions.md).
     # '+tcq' codes both sides with a bitshift trellis (TurboQuantConfig.trellis) of L = the first multiple of the width
     # >= 8 state bits (256-4096 states): below the scalar optimum at 0.05-0.2 more bits per value (docs/guide/methods.md).
-    # '+tcqk' / '+tcqv' code one side so.
+    # '+tcqk' / '+tcqv' code one side so. '+match' stores each vector's scalar so that its reconstruction is as long as
+    # the input, '+unbiased' so that its component along the input is the input (TurboQuantConfig.norm; '+matchk',
+    # '+matchv', '+unbiasedk', '+unbiasedv': one side).
     sides = {"+tcq": "kv", "+tcqk": "k", "+tcqv": "v"}.get(match[5] or "", "")
 
     def tcq(side: str, b: int) -> dict:
@@ -681,11 +683,13 @@ def _int4(arg: str) -> MethodConfig:
 
 # The default: TurboQuant 3-bit keys and 2-bit values, keys centered on their un-RoPEd mean turned to each token's
 # position on the RoPE pairs where that gains (`+ropemean`: a QKV bias or massive channel, constant before RoPE, turns
-# with position after it), the 0.5% most-attended compressed tokens kept exact (anchors), and a 32-token exact window.
-# Over five rotation draws at 2K it loses +1.5% (SmolLM2) and +1.2% (Gemma-3) perplexity at 5.12x, where
-# turboquant:k3v2 (window 64, no anchors, post-RoPE mean) loses +2.7% and +2.9% at 4.96x; next-token KL falls 4-6% at 2K
-# and 21% at 8K against the same method without `+ropemean` (docs/notes/decisions.md, "Choosing the default").
-DEFAULT_METHOD = "turboquant:k3v2+ropemean@anchors=0.5%@window=32"
+# with position after it), each vector's stored scalar making its reconstruction as long as the input (`+match`:
+# Lloyd-Max centroids fall short of it, so every score and every averaged value came out ~D too small), the 0.5%
+# most-attended compressed tokens kept exact (anchors), and a 32-token exact window. `+match` costs no byte and no
+# decode work; at 2K over three rotation draws it cut next-token KL by 31-38% on all three models, every draw lower,
+# and the perplexity loss from +1.45% to +0.78% (SmolLM2) and +1.13% to +0.77% (Gemma-3) at 5.12x / 2.51x
+# (docs/notes/decisions.md, "Choosing the default").
+DEFAULT_METHOD = "turboquant:k3v2+ropemean+match@anchors=0.5%@window=32"
 
 
 def get_method(method: str | MethodConfig) -> MethodConfig:
