@@ -27,7 +27,7 @@ from kvpack.serve.paged_pool import (
     write_rows,
 )
 
-METHODS = ["int8", "int8:rotated", "turboquant:k3v2", "turboquant:k4v4"]
+METHODS = ["int8", "int8:rotated", "turboquant:k3v2", "turboquant:k3v2+match", "turboquant:k4v4"]
 
 
 def test_row_bytes_hand_counted():
@@ -41,6 +41,25 @@ def test_row_bytes_hand_counted():
 def test_refuses_what_a_page_cannot_hold(method):
     with pytest.raises(ValueError, match="int8, int8:rotated, turboquant:kXvY"):
         PoolFormat(method, 64)
+
+
+def test_match_rows_decode_as_long_as_their_inputs():
+    """`+match` rows: the same bytes as plain TurboQuant rows, each decoded key and value as long as the vector written
+    (to fp16's rounding of its norm), where plain rows decode ~1.5% (3-bit keys) and ~6% (2-bit values) short."""
+    g = torch.Generator().manual_seed(5)
+    k, v = torch.randn(64, 2, 64, generator=g) * 2, torch.randn(64, 2, 64, generator=g)
+    lengths = {}
+    for method in ("turboquant:k3v2", "turboquant:k3v2+match"):
+        fmt = PoolFormat(method, 64, seed=1)
+        codecs = fmt.codecs(kv_heads=2, layer_idx=0)
+        packed = unpack_rows(fmt, encode_rows(fmt, codecs, k, v).transpose(0, 1)[None])  # (1, kv_heads, tokens, ·)
+        dk, dv = (codec.decode(p)[0].transpose(0, 1) for codec, p in zip(codecs, packed, strict=True))
+        lengths[method] = (dk.norm(dim=-1) / k.norm(dim=-1), dv.norm(dim=-1) / v.norm(dim=-1))
+    assert PoolFormat("turboquant:k3v2+match", 64).row_bytes == PoolFormat("turboquant:k3v2", 64).row_bytes
+    for ratio in lengths["turboquant:k3v2+match"]:
+        torch.testing.assert_close(ratio, torch.ones_like(ratio), rtol=0, atol=2e-3)
+    plain_k, plain_v = (r.mean().item() for r in lengths["turboquant:k3v2"])
+    assert plain_k < 0.995 and plain_v < 0.96
 
 
 @pytest.mark.parametrize("method", METHODS)

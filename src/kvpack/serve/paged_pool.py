@@ -46,7 +46,7 @@ from ..kernels import cpu_lut, ops
 
 KEY_CHANNEL_SCALE = 0.5  # calibrated keys: RMS^0.5 per channel, as kvpack's turboquant:kXvY methods scale them
 INT8_METHODS = ("int8", "int8:rotated")  # int8 rows, plain or after a seeded rotation: `PoolFormat.bits` is None
-POOL_METHODS = (*INT8_METHODS, "turboquant:kXvY (X, Y in 1..4)")
+POOL_METHODS = (*INT8_METHODS, "turboquant:kXvY (X, Y in 1..4; '+match': the stored norms make each reconstruction as long as its input)")
 NORM_BYTES = 2  # fp16 scale or norm per (token, head) and side
 ROW_CHUNK = 512  # query rows per score matrix in a prefill: bounds the (heads, rows, tokens) float temporary
 PAGED_ROWS = 16  # query rows per kv head that the paged kernel takes (a decode step's GQA group, or a short chunk's)
@@ -58,7 +58,9 @@ class PoolFormat:
     """What a pool row holds: `int8` (per-token symmetric int8, fp16 scale), `int8:rotated` (the same after a seeded
     randomized Hadamard rotation) or TurboQuant with `key_bits`/`value_bits`.
 
-    method: "int8", "int8:rotated" or "turboquant:kXvY" with X, Y in 1..4 (scalar Lloyd-Max codes after a seeded rotation).
+    method: "int8", "int8:rotated" or "turboquant:kXvY" with X, Y in 1..4 (scalar Lloyd-Max codes after a seeded rotation),
+        optionally "+match" (each row's norm stored so that its reconstruction is as long as the input,
+        `TurboQuantConfig.norm`: the same bytes, read by the same kernels).
     head_dim: the model's head size d.
     seed: base seed of the rotations, TurboQuant's and `int8:rotated`'s (each (layer, head) derives its own).
     calibrated: TurboQuant keys centered and channel-scaled, values centered, by per-layer state fitted once on
@@ -86,7 +88,7 @@ class PoolFormat:
         """(key bits, value bits) for TurboQuant, None for int8 rows (plain or rotated)."""
         if self.method in INT8_METHODS:
             return None
-        match = re.fullmatch(r"turboquant:k([1-4])v([1-4])", self.method)
+        match = re.fullmatch(r"turboquant:k([1-4])v([1-4])(\+match)?", self.method)
         if match:
             return int(match[1]), int(match[2])
         raise ValueError(
@@ -125,8 +127,10 @@ class PoolFormat:
             raise ValueError("a calibrated pool's codecs take each layer's state, an uncalibrated pool's none")
         kb, vb = self.bits
         scaled = {"center": True, "channel_scale": KEY_CHANNEL_SCALE} if self.calibrated else {}
-        key = TurboQuantCodec(TurboQuantConfig(bits=kb, seed=self.seed, **scaled), self.head_dim, kv_heads, layer_idx)
-        value = TurboQuantCodec(TurboQuantConfig(bits=vb, seed=self.seed, center=self.calibrated), self.head_dim, kv_heads, layer_idx)
+        norm = "match" if self.method.endswith("+match") else "input"
+        key = TurboQuantCodec(TurboQuantConfig(bits=kb, seed=self.seed, norm=norm, **scaled), self.head_dim, kv_heads, layer_idx)
+        value = TurboQuantCodec(TurboQuantConfig(bits=vb, seed=self.seed, center=self.calibrated, norm=norm), self.head_dim, kv_heads,
+                                layer_idx)
         if state is not None:
             key.load_state_dict({"mean": state["key_mean"].float(), "scale": state["key_scale"].float()})
             value.load_state_dict({"mean": state["value_mean"].float()})
