@@ -117,7 +117,7 @@ def test_a_config_without_a_readable_rotary_module_names_the_fix(llama, monkeypa
 def test_list_methods_resolve_to_themselves():
     names = list_methods()
     assert names == ["fp16", "int8", "int8:rotated", "turboquant:k4v4", "turboquant:k3v3", "turboquant:k3v2", "turboquant:k3v3+qjl",
-                     "turboquant:k3v2+ropemean", "polarquant-int4", "qjl", "kivi:4", "kivi:2", "shard", "kvquant:4", "kvquant:3", "kvquant:2", "subspace:2",
+                     "turboquant:k3v2+ropemean", "turboquant:k3v2+ropemean+match", "polarquant-int4", "qjl", "kivi:4", "kivi:2", "shard", "kvquant:4", "kvquant:3", "kvquant:2", "subspace:2",
                      "tiered:512", "tiered:512:tq", "tiered:1024:shard", "int4"]
     assert [get_method(n).name for n in names] == names
 

@@ -443,8 +443,8 @@ def _turboquant(arg: str) -> MethodConfig:
     match = re.fullmatch(r"k([1-4])v([1-4])(\+qjl)?(\+ropemean)?(\+tcq[kv]?)?(\+(?:unbiased|match)[kv]?)?", arg or "k3v2")
     if not match or (match[3] and (match[5] or match[6])):
         raise ValueError(f"turboquant takes 'kXvY' with X, Y in 1..4, then optionally '+qjl', '+ropemean', '+tcq' (or '+tcqk', "
-                         f"'+tcqv': keys or values only) and '+match' or '+unbiased' (or with k / v: one side), in that order, "
-                         f"'+qjl' with neither of the last two (e.g. turboquant:k3v3, turboquant:k3v2+ropemean+match), got {arg!r}")
+                         f"'+tcqv': keys or values only; not with '+qjl') and '+match' or '+unbiased' (with k or v: one side; not "
+                         f"with '+qjl'), in that order (e.g. turboquant:k3v3, turboquant:k3v2+ropemean+match), got {arg!r}")
     kb, vb, qjl = int(match[1]), int(match[2]), bool(match[3])
     # kvpack normalizes before TurboQuant (see TurboQuantConfig): keys are centered and divided by
     # RMS^0.5 per channel (Qwen2's outlier channels; full RMS scaling cost SmolLM2 +1.7% at 3 bits,

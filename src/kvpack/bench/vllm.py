@@ -194,7 +194,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default=str(DEFAULT_MODEL), help="a model directory vLLM loads (default: SmolLM2-135M converted by kvpack)")
     parser.add_argument("--corpus", help="a text file (default: gensim's lee_background.cor news corpus)")
     parser.add_argument("--methods", nargs="+", default=["turboquant:k3v2"],
-                        help="kvpack pool methods: int8, int8:rotated, turboquant:kXvY; turboquant:kXvY+cal uses --calibration; "
+                        help="kvpack pool methods: int8, int8:rotated, turboquant:kXvY (+match: reconstructions as long as their inputs); "
+                             "turboquant:kXvY+cal uses --calibration; "
                              "a '@window=N' suffix keeps each sequence's last N tokens exact (e.g. turboquant:k3v2+cal@window=32); "
                              "'@strict' last runs the pool's strict mode (turboquant:k3v2@strict)")
     parser.add_argument("--calibration", help="pool calibration file for +cal methods (python -m kvpack.serve.pool_calibration)")
