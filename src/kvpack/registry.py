@@ -440,7 +440,7 @@ def _int8(arg: str) -> MethodConfig:
 
 @method("turboquant", "k4v4", "k3v3", "k3v2", "k3v3+qjl", "k3v2+ropemean", "k3v2+ropemean+match")
 def _turboquant(arg: str) -> MethodConfig:
-    match = re.fullmatch(r"k([1-4])v([1-4])(\+qjl)?(\+ropemean)?(\+tcq[kv]?)?(\+(?:unbiased|match)[kv]?)?", arg or "k3v2")
+    match = re.fullmatch(r"k([1-4])v([1-4])(\+qjl)?(\+ropemean)?(\+tcq[kv]?)?(\+(unbiased|match)([kv]?))?", arg or "k3v2")
     if not match or (match[3] and (match[5] or match[6])):
         raise ValueError(f"turboquant takes 'kXvY' with X, Y in 1..4, then optionally '+qjl', '+ropemean', '+tcq' (or '+tcqk', "
                          f"'+tcqv': keys or values only; not with '+qjl') and '+match' or '+unbiased' (with k or v: one side; not "
@@ -461,11 +461,8 @@ def _turboquant(arg: str) -> MethodConfig:
     def tcq(side: str, b: int) -> dict:
         return {"trellis": -(-8 // b) * b} if side in sides else {}
 
-    norm_kind = (match[6] or "+").rstrip("kv")[1:]
-    norm_sides = (match[6] or "")[len(norm_kind) + 1:] or "kv"
-
     def norm(side: str) -> dict:
-        return {"norm": norm_kind} if norm_kind and side in norm_sides else {}
+        return {"norm": match[7]} if match[7] and side in (match[8] or "kv") else {}
 
     key = CodecSpec("turboquant", {"bits": kb, "qjl": qjl, "center": True, "channel_scale": 0.5, **({"rope_center": True} if match[4] else {}),
                                    **tcq("k", kb), **norm("k")})

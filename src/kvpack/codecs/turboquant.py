@@ -386,7 +386,7 @@ class TurboQuantCodec(UnRopedKeys, Codec):
         packed, y = self._encode_codes(x, mean)
         if self.config.norm != "input" and self.codebook is not None:
             packed.norm = storable(packed.norm * self._norm_factor(y, packed))
-        elif packed.norm.dtype == torch.float32 and packed.residual_norm is None:
+        elif packed.residual_norm is None:  # QJL's norm is stored already (its residual is taken against it)
             packed.norm = storable(packed.norm)
         return packed
 
