@@ -198,10 +198,36 @@ def test_a_build_is_announced_and_a_cached_build_is_silent(monkeypatch, capsys):
     assert build() == "module" and capsys.readouterr().err == ""
 
 
+def test_a_stale_build_lock_is_removed_and_a_fresh_one_is_named(tmp_path):
+    """torch's loader waits forever on a lock a killed build left; kvpack removes an old one and names a young one."""
+    lock = tmp_path / "lock"
+    lock.write_text("")
+    now = lock.stat().st_mtime
+    message = cpu_lut.clear_stale_lock(tmp_path, now=now + 60)
+    assert lock.exists() and str(lock) in message and "delete" in message  # a build a minute old may be running
+    message = cpu_lut.clear_stale_lock(tmp_path, now=now + cpu_lut.STALE_LOCK_S + 1)
+    assert not lock.exists() and str(lock) in message and "interrupted" in message
+    assert cpu_lut.clear_stale_lock(tmp_path, now=now) is None  # no lock: nothing to say
+
+
 def test_each_python_environment_gets_its_own_build(monkeypatch):
     """Two virtual environments on one machine would otherwise rebuild one shared name in turn (~35 s each time)."""
     here = cpu_lut._build_name(openmp=True)
     monkeypatch.setattr(cpu_lut.sys, "prefix", "/elsewhere/.venv")
+    there = cpu_lut._build_name(openmp=True)
+    assert here != there and here.rsplit("_", 2)[0] == there.rsplit("_", 2)[0]  # same CPU tag and source hash
+
+
+def test_each_checkout_gets_its_own_build(monkeypatch, tmp_path):
+    """The same sources run from a second checkout in one environment (a worktree) used to share the build name, and
+    torch's build file names the sources' paths, so each checkout rebuilt the other's extension in place."""
+    here = cpu_lut._build_name(openmp=True)
+    copy = tmp_path / "cpp"
+    copy.mkdir()
+    for path in cpu_lut.SOURCE_DIR.iterdir():
+        if path.suffix in (".cpp", ".h"):
+            (copy / path.name).write_bytes(path.read_bytes())
+    monkeypatch.setattr(cpu_lut, "SOURCE_DIR", copy)
     there = cpu_lut._build_name(openmp=True)
     assert here != there and here.rsplit("_", 2)[0] == there.rsplit("_", 2)[0]  # same CPU tag and source hash
 

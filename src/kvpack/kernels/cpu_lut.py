@@ -7,7 +7,7 @@ the end. int8 (`int8_scores`, `int8_weighted_sum`) widens one token row at a tim
 
 Every `cpp/*.cpp` file (one kernel family each, over the shared online-softmax header `cpp/softmax.h`) is compiled
 into one extension with `torch.utils.cpp_extension.load` (`-O3 -march=native`, OpenMP when the compiler supports it) into torch's extensions directory (`$TORCH_EXTENSIONS_DIR`), once per
-CPU feature set and source version, announced by one line on stderr; `KVCache(model, ...)` on CPU
+CPU feature set, source version, environment and checkout, announced by one line on stderr; `KVCache(model, ...)` on CPU
 triggers it, so it never happens silently inside the first decode step.
 Any build failure makes `available()` False, with one warning, and callers keep their torch path.
 Each launcher checks shapes and dtypes before the C++ call. The attention kernels' references are the ops' contract
@@ -54,16 +54,47 @@ _build_errors: list[str] = []  # why the last build attempt failed, for `unavail
 
 
 def _build_name(openmp: bool) -> str:
-    """One build per CPU feature set, source version and Python environment: a changed source is a new
-    name, never a silent rebuild. torch shares one build directory per Python version, and its build
-    flags name the environment's torch headers, so two environments sharing a name rebuilt it in turn."""
+    """One build per CPU feature set, source version, Python environment and checkout: a changed source is a new
+    name, never a silent rebuild. torch shares one build directory per Python version, and its build file names the
+    environment's torch headers and the sources' paths, so two environments, or two checkouts of the same sources run
+    from one environment (a worktree, an installed copy), sharing a name rebuilt it in turn, each in the other's
+    directory while the other might be loading it."""
     digest = hashlib.sha1()
     for path in sorted(SOURCE_DIR.iterdir()):  # the header too: a change anywhere is a new build
         if path.suffix in (".cpp", ".h"):
             digest.update(path.name.encode() + path.read_bytes())
     source = digest.hexdigest()[:8]
-    env = hashlib.sha1(sys.prefix.encode()).hexdigest()[:6]
+    env = hashlib.sha1(f"{sys.prefix}\0{SOURCE_DIR.resolve()}".encode()).hexdigest()[:6]
     return f"kvpack_lut_{_cpu_tag()}_{source}_{env}{'_omp' if openmp else ''}"
+
+
+STALE_LOCK_S = 30 * 60  # a build takes minutes; a lock older than this was left by a build that was killed
+
+
+def _build_directory(name: str) -> Path | None:
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+
+        return Path(_get_build_directory(name, False))
+    except Exception:  # a private torch helper: when it moves, we only lose the stale-lock check
+        return None
+
+
+def clear_stale_lock(directory: Path, now: float | None = None) -> str | None:
+    """Remove torch's build lock in `directory` when it is older than `STALE_LOCK_S`; the line to print, or None.
+
+    torch's `load` waits, silently and forever, while `<build dir>/lock` exists: a build killed mid-compile (Ctrl-C, a
+    test timeout) leaves it behind, and every later kernel load hangs. A younger lock may be another process building
+    now, so it is kept and named: the user can tell a hang from a wait, and knows which file to delete."""
+    lock = directory / "lock"
+    try:
+        age = (time.time() if now is None else now) - lock.stat().st_mtime
+    except FileNotFoundError:
+        return None
+    if age > STALE_LOCK_S:
+        lock.unlink(missing_ok=True)
+        return f"kvpack: removed a build lock {age / 60:.0f} min old, left by an interrupted build: {lock}"
+    return f"kvpack: waiting for another process building its CPU kernels; if none is running, delete {lock}"
 
 
 def _is_built(name: str) -> bool:
@@ -90,6 +121,10 @@ def _extension() -> ModuleType | None:
         name = _build_name(openmp)
         start = time.perf_counter()
         building = not _is_built(name)
+        directory = _build_directory(name)
+        message = clear_stale_lock(directory) if directory is not None else None
+        if message:
+            print(message, file=sys.stderr, flush=True)
         if building:
             print(f"kvpack: compiling its CPU kernels for this CPU (once, a few minutes): {name}", file=sys.stderr, flush=True)
         try:
