@@ -210,6 +210,74 @@ def test_a_stale_build_lock_is_removed_and_a_fresh_one_is_named(tmp_path):
     assert cpu_lut.clear_stale_lock(tmp_path, now=now) is None  # no lock: nothing to say
 
 
+def test_a_lock_whose_builder_was_killed_is_removed_at_once(tmp_path):
+    """A build killed mid-compile (SIGKILL here: nothing of it runs after) leaves torch's lock; the next load finds
+    its owner gone and removes the lock, instead of waiting 30 minutes for it to age. A live builder's is kept."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    child = ("import sys, time; from pathlib import Path; from kvpack.kernels import cpu_lut; d = Path(sys.argv[1]); "
+             "assert cpu_lut._claim(d) is not None; (d / 'lock').write_text(''); time.sleep(120)")
+    builder = subprocess.Popen([sys.executable, "-c", child, str(tmp_path)])
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "lock").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert (tmp_path / "lock").exists() and builder.poll() is None
+        message = cpu_lut.clear_stale_lock(tmp_path)  # the builder is running: its lock stays
+        assert (tmp_path / "lock").exists() and "waiting for another process" in message
+        builder.send_signal(signal.SIGKILL)
+        builder.wait(30)
+    finally:
+        builder.kill()
+    message = cpu_lut.clear_stale_lock(tmp_path)
+    assert not (tmp_path / "lock").exists() and not (tmp_path / cpu_lut.OWNER).exists()
+    assert f"process {builder.pid}, which is no longer running" in message and str(tmp_path / "lock") in message
+
+
+def test_a_lock_owned_on_another_host_waits_for_its_age(tmp_path):
+    """A build directory shared between machines: a pid of another host says nothing here, so the age rule decides."""
+    lock = tmp_path / "lock"
+    lock.write_text("")
+    (tmp_path / cpu_lut.OWNER).write_text("some-other-host 1")
+    now = lock.stat().st_mtime
+    assert lock.exists() and "waiting" in cpu_lut.clear_stale_lock(tmp_path, now=now + 60)
+    assert "interrupted" in cpu_lut.clear_stale_lock(tmp_path, now=now + cpu_lut.STALE_LOCK_S + 1) and not lock.exists()
+
+
+@pytest.mark.parametrize("openmp", [True, False])
+def test_a_failed_build_is_not_tried_again_another_way(monkeypatch, tmp_path, openmp):
+    """The compiler is asked once whether it does OpenMP, and the one build it can do is tried: a failed (or
+    interrupted) OpenMP build must not start a second build of several minutes without OpenMP."""
+    import torch.utils.cpp_extension
+
+    calls = []
+
+    def fail(**kw):
+        calls.append(kw["name"])
+        assert not (tmp_path / "lock").exists() and (tmp_path / cpu_lut.OWNER).read_text().split()[1] == str(os.getpid())
+        raise RuntimeError("Error building extension: ninja: build stopped: interrupted by user.")
+
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", fail)
+    monkeypatch.setattr(cpu_lut, "_is_built", lambda name: False)
+    monkeypatch.setattr(cpu_lut, "_build_directory", lambda name: tmp_path)
+    monkeypatch.setattr(cpu_lut, "openmp_works", lambda: openmp)
+    with pytest.warns(RuntimeWarning, match="kvpack CPU kernels unavailable, using the torch path.*interrupted by user"):
+        assert cpu_lut._extension.__wrapped__() is None
+    assert calls == [cpu_lut._build_name(openmp)]
+    assert not (tmp_path / cpu_lut.OWNER).exists()  # the owner file goes with the attempt
+
+
+def test_a_compiler_without_openmp_is_told_apart(monkeypatch, tmp_path):
+    """`openmp_works` runs the compiler torch builds with; one that fails the probe, or is missing, means no OpenMP."""
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    assert cpu_lut.openmp_works() is False
+    monkeypatch.setenv("CXX", "false")  # exits 1 whatever it is given
+    assert cpu_lut.openmp_works() is False
+
+
 def test_each_python_environment_gets_its_own_build(monkeypatch):
     """Two virtual environments on one machine would otherwise rebuild one shared name in turn (~35 s each time)."""
     here = cpu_lut._build_name(openmp=True)

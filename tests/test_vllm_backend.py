@@ -729,7 +729,7 @@ def test_vllm_engine_pool_capacity_and_agreement(tmp_path):
 
     vLLM ends a step that runs past VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS; here 120 s, so on a machine where kvpack's
     kernels are not built yet (a fresh environment, as in CI) the build must happen while the engine starts, not in
-    its first step (a build takes 4 minutes on 2 cores)."""
+    its first step (a build takes 1.5 minutes on 2 cores, 4 before its sources left out torch's C++ frontend)."""
     out = tmp_path / "vllm.json"
     cmd = [sys.executable, "-m", "kvpack.bench.vllm", "--methods", "int8", "turboquant:k3v2", "--dtype", "float32", "--prompts", "4",
            "--prompt-tokens", "256", "--kv-mib", "32", "--max-model-len", "512", "--no-throughput", "--seeds", "0", "1", "--out", str(out)]

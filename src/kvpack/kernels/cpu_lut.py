@@ -19,7 +19,10 @@ from __future__ import annotations
 
 import hashlib
 import os
+import socket
+import subprocess
 import sys
+import tempfile
 import time
 import warnings
 import weakref
@@ -80,21 +83,80 @@ def _build_directory(name: str) -> Path | None:
         return None
 
 
-def clear_stale_lock(directory: Path, now: float | None = None) -> str | None:
-    """Remove torch's build lock in `directory` when it is older than `STALE_LOCK_S`; the line to print, or None.
+OWNER = "kvpack-builder"  # beside torch's lock: "<host> <pid>" of the process that started the build
 
-    torch's `load` waits, silently and forever, while `<build dir>/lock` exists: a build killed mid-compile (Ctrl-C, a
-    test timeout) leaves it behind, and every later kernel load hangs. A younger lock may be another process building
-    now, so it is kept and named: the user can tell a hang from a wait, and knows which file to delete."""
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: it exists
+        return True
+    return True
+
+
+def _owner_gone(directory: Path) -> int | None:
+    """The pid named in `directory`'s owner file when it ran on this host and is no longer running, else None."""
+    try:
+        host, pid = (directory / OWNER).read_text().split()
+        pid = int(pid)
+    except (OSError, ValueError):
+        return None
+    return pid if host == socket.gethostname() and pid != os.getpid() and not _alive(pid) else None
+
+
+def clear_stale_lock(directory: Path, now: float | None = None) -> str | None:
+    """Remove torch's build lock in `directory` when the build that took it is gone; the line to print, or None.
+
+    torch's `load` waits, silently and forever, while `<build dir>/lock` exists: a build killed mid-compile (a SIGTERM,
+    a test timeout) leaves it behind, and every later kernel load hangs. kvpack names the building process in an owner
+    file beside the lock (`OWNER`), so a lock whose builder ran on this host and has exited is removed at once; one
+    without a readable owner (another host sharing the directory, a build started by an older kvpack) when it is older
+    than `STALE_LOCK_S`. A younger one may be another process building now, so it is kept and named: the user can tell
+    a hang from a wait, and knows which file to delete."""
     lock = directory / "lock"
     try:
         age = (time.time() if now is None else now) - lock.stat().st_mtime
     except FileNotFoundError:
         return None
+    gone = _owner_gone(directory)
+    if gone is not None:
+        lock.unlink(missing_ok=True)
+        (directory / OWNER).unlink(missing_ok=True)
+        return f"kvpack: removed a build lock left by process {gone}, which is no longer running: {lock}"
     if age > STALE_LOCK_S:
         lock.unlink(missing_ok=True)
         return f"kvpack: removed a build lock {age / 60:.0f} min old, left by an interrupted build: {lock}"
     return f"kvpack: waiting for another process building its CPU kernels; if none is running, delete {lock}"
+
+
+def _claim(directory: Path | None) -> Path | None:
+    """Name this process as the builder in `directory` when no build holds its lock; the owner file to remove after."""
+    if directory is None or (directory / "lock").exists():
+        return None
+    owner = directory / OWNER
+    try:
+        owner.write_text(f"{socket.gethostname()} {os.getpid()}")
+    except OSError:
+        return None
+    return owner
+
+
+def openmp_works() -> bool:
+    """Whether the C++ compiler torch builds with (`$CXX`, else `c++`) compiles and links an OpenMP program.
+
+    Decided once before a build, in well under a second, so that only a compiler without OpenMP gets the build without
+    it: retrying on any failure of the OpenMP build turned an interrupted build (a killed engine, a timeout) into a
+    second build of several minutes."""
+    program = "#include <omp.h>\nint main() { return omp_get_max_threads() > 0 ? 0 : 1; }\n"
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            done = subprocess.run([os.environ.get("CXX", "c++"), "-fopenmp", "-x", "c++", "-", "-o", str(Path(tmp) / "probe")],
+                                  input=program, capture_output=True, text=True, timeout=120)
+        except (OSError, subprocess.TimeoutExpired):
+            return False
+    return done.returncode == 0
 
 
 def _is_built(name: str) -> bool:
@@ -116,22 +178,33 @@ def _extension() -> ModuleType | None:
 
     errors = _build_errors
     errors.clear()
-    for openmp in (True, False):
+    built = {True: _is_built(_build_name(True))}
+    root = _build_directory(_build_name(True))  # torch creates a directory for every name it is asked about: look beside
+    plain = _build_name(False)
+    built[False] = not built[True] and root is not None and any((root.parent / plain).glob(f"{plain}*.so"))
+    # A cached build of either kind loads without asking the compiler; a new one is built with OpenMP when the
+    # compiler has it, else without: one build, never a second after a failed first.
+    choices = [True] if built[True] else [False] if built[False] else [openmp_works()]
+    for openmp in choices:
         flags = ["-O3", "-march=native", *(["-fopenmp"] if openmp else [])]
         name = _build_name(openmp)
         start = time.perf_counter()
-        building = not _is_built(name)
+        building = not built[openmp]
         directory = _build_directory(name)
         message = clear_stale_lock(directory) if directory is not None else None
         if message:
             print(message, file=sys.stderr, flush=True)
         if building:
             print(f"kvpack: compiling its CPU kernels for this CPU (once, a few minutes): {name}", file=sys.stderr, flush=True)
+        owner = _claim(directory) if building else None
         try:
             ext = load(name=name, sources=[str(p) for p in SOURCES], extra_include_paths=[str(SOURCE_DIR)], extra_cflags=flags, extra_ldflags=["-fopenmp"] if openmp else [], verbose=False)
         except Exception as e:  # no compiler, no headers, a linker error: all mean "use torch"
             errors.append(f"{'with' if openmp else 'without'} OpenMP: {type(e).__name__}: {str(e).strip()[-300:]}")
             continue
+        finally:
+            if owner is not None:
+                owner.unlink(missing_ok=True)
         if building:
             print(f"kvpack: CPU kernels ready ({time.perf_counter() - start:.0f} s)", file=sys.stderr, flush=True)
         return ext

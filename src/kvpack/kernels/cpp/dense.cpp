@@ -59,18 +59,18 @@ void dense_attention_impl(const float* q, const KT* k, int64_t k_bh, const at::H
   rows_attention_impl(q, BH, R, T, d, dv, scale, skip, P, kdec, vdec, [](int64_t, int, int64_t, int64_t, float*) {});
 }
 
-torch::Tensor int8_scores(torch::Tensor q, torch::Tensor codes, torch::Tensor scale) {
+at::Tensor int8_scores(at::Tensor q, at::Tensor codes, at::Tensor scale) {
   const int64_t B = q.size(0), H = q.size(1), R = q.size(2), d = q.size(3), T = codes.size(2);
-  auto out = torch::empty({B, H, R, T}, q.options());
+  auto out = at::empty({B, H, R, T}, q.options());
   if (out.numel() == 0) return out;
   int8_scores_impl(q.data_ptr<float>(), codes.data_ptr<int8_t>(), scale.data_ptr<at::Half>(), B * H, static_cast<int>(R), T,
                    static_cast<int>(d), out.data_ptr<float>());
   return out;
 }
 
-torch::Tensor int8_weighted_sum(torch::Tensor p, torch::Tensor codes, torch::Tensor scale) {
+at::Tensor int8_weighted_sum(at::Tensor p, at::Tensor codes, at::Tensor scale) {
   const int64_t B = p.size(0), H = p.size(1), R = p.size(2), T = p.size(3), d = codes.size(3);
-  auto out = torch::zeros({B, H, R, d}, p.options());
+  auto out = at::zeros({B, H, R, d}, p.options());
   if (out.numel() == 0 || T == 0) return out;
   int8_weighted_sum_impl(p.data_ptr<float>(), codes.data_ptr<int8_t>(), scale.data_ptr<at::Half>(), B * H, static_cast<int>(R), T,
                          static_cast<int>(d), out.data_ptr<float>());
@@ -78,7 +78,7 @@ torch::Tensor int8_weighted_sum(torch::Tensor p, torch::Tensor codes, torch::Ten
 }
 
 template <typename KT, typename VT>
-void dense_dispatch(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& ks, const torch::Tensor& v, const torch::Tensor& vs,
+void dense_dispatch(const at::Tensor& q, const at::Tensor& k, const at::Tensor& ks, const at::Tensor& v, const at::Tensor& vs,
                     double scale, const Skip& skip, Partials& P) {
   const int64_t B = q.size(0), H = q.size(1), R = q.size(2), d = q.size(3), T = k.size(2), dv = v.size(3);
   dense_attention_impl<KT, VT>(q.data_ptr<float>(), k.data_ptr<KT>(), head_stride(k, "k"), ks.numel() ? ks.data_ptr<at::Half>() : nullptr,
@@ -87,8 +87,8 @@ void dense_dispatch(const torch::Tensor& q, const torch::Tensor& k, const torch:
                                static_cast<int>(R), T, static_cast<int>(d), static_cast<int>(dv), static_cast<float>(scale), skip, P);
 }
 
-std::vector<torch::Tensor> dense_attention(torch::Tensor q, torch::Tensor k, torch::Tensor k_scale, torch::Tensor v, torch::Tensor v_scale,
-                                           double scale, torch::Tensor skip) {
+std::vector<at::Tensor> dense_attention(at::Tensor q, at::Tensor k, at::Tensor k_scale, at::Tensor v, at::Tensor v_scale,
+                                           double scale, at::Tensor skip) {
   q = q.contiguous();
   const int64_t B = q.size(0), H = q.size(1), R = q.size(2), T = k.size(2), dv = v.size(3);
   const Skip sk = make_skip(skip);
@@ -110,11 +110,11 @@ std::vector<torch::Tensor> dense_attention(torch::Tensor q, torch::Tensor k, tor
 // A decode step's last stage in one call: the partial over uncompressed rows k, v (B, H, T, d) fp16 / fp32 (the sinks,
 // window and anchors), merged with the segments' partials (ms, ls, os) into the normalized output (B, H, R, dv) f32.
 // The same two kernels as dense_attention then merge_partials, without the round trip into Python between them.
-torch::Tensor exact_merge(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale, std::vector<torch::Tensor> ms,
-                          std::vector<torch::Tensor> ls, std::vector<torch::Tensor> os) {
+at::Tensor exact_merge(at::Tensor q, at::Tensor k, at::Tensor v, double scale, std::vector<at::Tensor> ms,
+                          std::vector<at::Tensor> ls, std::vector<at::Tensor> os) {
   TORCH_CHECK(ms.size() == ls.size() && ms.size() == os.size(), "exact_merge needs one (m, l, o) per part");
-  const auto none = torch::empty({0}, q.options());
-  auto exact = dense_attention(q, k, none, v, none, scale, torch::empty({0}, q.options().dtype(at::kLong)));
+  const auto none = at::empty({0}, q.options());
+  auto exact = dense_attention(q, k, none, v, none, scale, at::empty({0}, q.options().dtype(at::kLong)));
   ms.insert(ms.begin(), exact[0]);
   ls.insert(ls.begin(), exact[1]);
   os.insert(os.begin(), exact[2]);
@@ -125,8 +125,8 @@ torch::Tensor exact_merge(torch::Tensor q, torch::Tensor k, torch::Tensor v, dou
 // block_table (B, M) int64, start/end (B,) int64 each sequence's token range, offsets (k_scale, v_scale, k_codes,
 // v_codes) bytes within a row (d int8 codes a side, fp16 scales). Rows widened in L1 (rows_attention_impl); tokens
 // outside a sequence's range are never read and score -inf.
-std::vector<torch::Tensor> int8_paged_attention(torch::Tensor q, torch::Tensor pool, torch::Tensor block_table, torch::Tensor start,
-                                                torch::Tensor end, std::vector<int64_t> offsets, double scale) {
+std::vector<at::Tensor> int8_paged_attention(at::Tensor q, at::Tensor pool, at::Tensor block_table, at::Tensor start,
+                                                at::Tensor end, std::vector<int64_t> offsets, double scale) {
   q = q.contiguous();
   block_table = block_table.contiguous();
   start = start.contiguous();

@@ -16,9 +16,9 @@ inline void int4_row(const uint8_t* row, float scale, float zero, float* dst, in
 
 // q (B, H, R, d) f32; k_codes (B, H, T, d/2) u8 with k_scale, k_zero (B, H, T, 1) f16; v likewise (dv = 2 * its row
 // bytes); skip (S,) i64 ascending token offsets to leave out, or empty. -> m, l (B, H, R, 1), o (B, H, R, dv) f32.
-std::vector<torch::Tensor> int4_attention(torch::Tensor q, torch::Tensor k_codes, torch::Tensor k_scale, torch::Tensor k_zero,
-                                          torch::Tensor v_codes, torch::Tensor v_scale, torch::Tensor v_zero, double scale,
-                                          torch::Tensor skip) {
+std::vector<at::Tensor> int4_attention(at::Tensor q, at::Tensor k_codes, at::Tensor k_scale, at::Tensor k_zero,
+                                          at::Tensor v_codes, at::Tensor v_scale, at::Tensor v_zero, double scale,
+                                          at::Tensor skip) {
   q = q.contiguous();
   const int64_t B = q.size(0), H = q.size(1), R = q.size(2), d = q.size(3), T = k_codes.size(2), dv = 2 * v_codes.size(3);
   TORCH_CHECK(k_codes.size(3) * 2 == d, "k_codes must hold d / 2 bytes per row");

@@ -44,15 +44,15 @@ inline void nearest_points(const float* x, int64_t D, const float* ct, int64_t K
 // index (G, N) i64 and squared distance (G, N) f32. Distances are summed as (x - c)^2 (no |x|^2 - 2x.c + |c|^2
 // cancellation); ties go to the lowest index (torch.min's choice). torch's version materialized the (N, K) distance
 // matrix in 16 MiB chunks and was most of Shard's prompt fit.
-std::vector<torch::Tensor> nearest_codeword(torch::Tensor x, torch::Tensor centroids) {
+std::vector<at::Tensor> nearest_codeword(at::Tensor x, at::Tensor centroids) {
   x = x.contiguous();
   const int64_t G = x.size(0), N = x.size(1), D = x.size(2), K = centroids.size(1);
   TORCH_CHECK(centroids.size(0) == G && centroids.size(2) == D && K >= 1, "nearest_codeword: centroids must be (G, K>=1, D)");
   const int64_t Kp = (K + 15) / 16 * 16;
-  auto ct = torch::full({G, D, Kp}, std::numeric_limits<float>::infinity(), x.options());  // padding never wins
+  auto ct = at::full({G, D, Kp}, std::numeric_limits<float>::infinity(), x.options());  // padding never wins
   ct.narrow(2, 0, K).copy_(centroids.transpose(1, 2));
-  auto index = torch::empty({G, N}, x.options().dtype(torch::kInt64));
-  auto dist = torch::empty({G, N}, x.options());
+  auto index = at::empty({G, N}, x.options().dtype(at::kLong));
+  auto dist = at::empty({G, N}, x.options());
   const float* xs = x.data_ptr<float>();
   const float* cs = ct.data_ptr<float>();
   int64_t* is = index.data_ptr<int64_t>();
@@ -78,13 +78,13 @@ std::vector<torch::Tensor> nearest_codeword(torch::Tensor x, torch::Tensor centr
 // the first point whose cumulative weight exceeds u * total (searchsorted right=True), then the nearest-seed
 // distances updated in f32 as (x - c)^2 summed in channel order. The draws are sequential; groups run in parallel.
 // torch spent ~8 small ops per draw, 255 draws per codebook: the larger part of Shard's k-means.
-torch::Tensor d2_picks(torch::Tensor x, torch::Tensor first, torch::Tensor u) {
+at::Tensor d2_picks(at::Tensor x, at::Tensor first, at::Tensor u) {
   x = x.contiguous();
   first = first.contiguous();
   u = u.contiguous();
   const int64_t G = x.size(0), N = x.size(1), D = x.size(2), draws = u.size(1);
   TORCH_CHECK(first.numel() == G && u.size(0) == G && N >= 1, "d2_picks: first (G,), u (G, k - 1), N >= 1");
-  auto picks = torch::empty({G, draws + 1}, first.options());
+  auto picks = at::empty({G, draws + 1}, first.options());
   const float* xs = x.data_ptr<float>();
   const int64_t* fs = first.data_ptr<int64_t>();
   const double* us = u.data_ptr<double>();

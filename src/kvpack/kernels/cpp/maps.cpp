@@ -20,14 +20,14 @@ inline void butterflies(float* __restrict y, int64_t D) {
 
 // codes[n] = LSB-first bit-packed bucket indices of y[n] (index = boundaries strictly below the value,
 // torch.bucketize's right=False), one pass per row: the encode step after rotation, for any width 1-8.
-torch::Tensor quantize_pack(torch::Tensor y, torch::Tensor boundaries, int64_t bits) {
+at::Tensor quantize_pack(at::Tensor y, at::Tensor boundaries, int64_t bits) {
   y = y.contiguous();
   boundaries = boundaries.contiguous();
   TORCH_CHECK(bits >= 1 && bits <= 8 && boundaries.numel() == (1 << bits) - 1, "quantize_pack: 2**bits - 1 boundaries, bits in 1..8");
   const int64_t d = y.size(-1), N = y.numel() / std::max<int64_t>(d, 1), nbytes = (d * bits + 7) / 8;
   auto sizes = y.sizes().vec();
   sizes.back() = nbytes;
-  auto out = torch::zeros(sizes, y.options().dtype(torch::kUInt8));
+  auto out = at::zeros(sizes, y.options().dtype(at::kByte));
   const float* src = y.data_ptr<float>();
   const float* bnd = boundaries.data_ptr<float>();
   const int nb = static_cast<int>(boundaries.numel());
@@ -63,8 +63,8 @@ torch::Tensor quantize_pack(torch::Tensor y, torch::Tensor boundaries, int64_t b
 // (norm (B, H, T, 1) f16, codes (B, H, T, D·bits/8) u8). The torch path
 // takes about eight ops and as many float copies of the block per side and layer; a serving engine's write path
 // runs it for every token of every prefill step.
-std::vector<torch::Tensor> tq_encode(torch::Tensor x, torch::Tensor mean, torch::Tensor inv_scale, torch::Tensor signs,
-                                     torch::Tensor boundaries, int64_t bits, torch::Tensor centroids, double floor) {
+std::vector<at::Tensor> tq_encode(at::Tensor x, at::Tensor mean, at::Tensor inv_scale, at::Tensor signs,
+                                     at::Tensor boundaries, int64_t bits, at::Tensor centroids, double floor) {
   x = x.contiguous();
   signs = signs.contiguous();
   boundaries = boundaries.contiguous();
@@ -78,8 +78,8 @@ std::vector<torch::Tensor> tq_encode(torch::Tensor x, torch::Tensor mean, torch:
   TORCH_CHECK(signs.numel() == H * D && (!centered || mean.numel() == H * D) && (!scaled || inv_scale.numel() == H * D),
               "tq_encode: signs, mean and inv_scale must be (H, D)");
   const int64_t nbytes = D * bits / 8;
-  auto norm = torch::empty({B, H, T, 1}, x.options().dtype(torch::kHalf));
-  auto codes = torch::empty({B, H, T, nbytes}, x.options().dtype(torch::kUInt8));
+  auto norm = at::empty({B, H, T, 1}, x.options().dtype(at::kHalf));
+  auto codes = at::empty({B, H, T, nbytes}, x.options().dtype(at::kByte));
   // Raw pointers hoisted out of the loops: data_ptr<T>() checks the dtype on every call.
   const float* xs = x.data_ptr<float>();
   const float* mp = centered ? mean.data_ptr<float>() : nullptr;
@@ -157,7 +157,7 @@ std::vector<torch::Tensor> tq_encode(torch::Tensor x, torch::Tensor mean, torch:
 // The decode step's small per-head products (the query's q.mu, dense rotations): a few rows, so they run on the
 // calling thread. A torch matmul opens a parallel region per call, and on a loaded machine each one waited for a
 // preempted thread.
-torch::Tensor head_matmul(torch::Tensor x, torch::Tensor w, torch::Tensor s, torch::Tensor bias) {
+at::Tensor head_matmul(at::Tensor x, at::Tensor w, at::Tensor s, at::Tensor bias) {
   x = x.contiguous();
   const int64_t B = x.size(0), H = x.size(1), R = x.size(2), D = x.size(3), E = w.size(2);
   TORCH_CHECK(w.size(0) == H && w.size(1) == D, "head_matmul: w must be (H, D, E) for x (B, H, R, D)");
@@ -168,7 +168,7 @@ torch::Tensor head_matmul(torch::Tensor x, torch::Tensor w, torch::Tensor s, tor
     bias = bias.contiguous();
     TORCH_CHECK(s.numel() == B * H * R && bias.numel() == H * E, "head_matmul: s (B, H, R, 1) and bias (H, E)");
   }
-  auto out = torch::empty({B, H, R, E}, x.options());
+  auto out = at::empty({B, H, R, E}, x.options());
   const float* xs = x.data_ptr<float>();
   const float* ws = w.data_ptr<float>();
   // Raw pointers hoisted out of the loops: data_ptr<T>() checks the dtype on every call.
@@ -193,7 +193,7 @@ torch::Tensor head_matmul(torch::Tensor x, torch::Tensor w, torch::Tensor s, tor
 // Hadamard transform (D a power of two; primitives/rotation.py's order). x (B, H, R, D) f32; pre, post, bias (H, D) f32
 // and s (B, H, R, 1) f32, each empty for none. The decode step's query and output maps of Hadamard-rotated codecs
 // (channel scale and signs folded into pre / post): O(D log D) per row on the calling thread, no matrix held.
-torch::Tensor fwht_rows(torch::Tensor x, torch::Tensor pre, torch::Tensor post, torch::Tensor s, torch::Tensor bias) {
+at::Tensor fwht_rows(at::Tensor x, at::Tensor pre, at::Tensor post, at::Tensor s, at::Tensor bias) {
   x = x.contiguous();
   const int64_t B = x.size(0), H = x.size(1), R = x.size(2), D = x.size(3);
   TORCH_CHECK(D > 0 && (D & (D - 1)) == 0, "fwht_rows: the last dim must be a power of two");
@@ -206,7 +206,7 @@ torch::Tensor fwht_rows(torch::Tensor x, torch::Tensor pre, torch::Tensor post, 
   }
   TORCH_CHECK((!has_pre || pre.numel() == H * D) && (!has_post || post.numel() == H * D), "fwht_rows: pre and post must be (H, D)");
   TORCH_CHECK(!affine || (s.numel() == B * H * R && bias.numel() == H * D), "fwht_rows: s (B, H, R, 1) and bias (H, D)");
-  auto out = torch::empty({B, H, R, D}, x.options());
+  auto out = at::empty({B, H, R, D}, x.options());
   const float* xs = x.data_ptr<float>();
   // Raw pointers hoisted out of the loops: data_ptr<T>() checks the dtype on every call.
   const float* prep = has_pre ? pre.data_ptr<float>() : nullptr;

@@ -466,11 +466,11 @@ void pca_vq_attention_impl(const float* q, const PCAKeys& K, const VQValues& V, 
 // values: idx (B, kv, T, vbytes) u8 rows of vbits-bit indices; norm (B, kv, T, 1) f16 or empty;
 // books (1 or kv, entries, gsize) f16 (the codec's own, widened here per call: a few KB) or f32. pos0 (B,) i64: RoPE
 // position of token 0; inv_freq (d/2,) f32.
-std::vector<torch::Tensor> pca_vq_attention(torch::Tensor q, torch::Tensor pos0, torch::Tensor inv_freq, double rope_scale,
-                                            torch::Tensor codes, torch::Tensor bitpos, torch::Tensor bits, torch::Tensor qmax,
-                                            torch::Tensor basis_t, torch::Tensor mean, torch::Tensor idx, int64_t vbits,
-                                            torch::Tensor norm, torch::Tensor books, double scale, torch::Tensor w8,
-                                            torch::Tensor col_scale, torch::Tensor mean8, torch::Tensor skip) {
+std::vector<at::Tensor> pca_vq_attention(at::Tensor q, at::Tensor pos0, at::Tensor inv_freq, double rope_scale,
+                                            at::Tensor codes, at::Tensor bitpos, at::Tensor bits, at::Tensor qmax,
+                                            at::Tensor basis_t, at::Tensor mean, at::Tensor idx, int64_t vbits,
+                                            at::Tensor norm, at::Tensor books, double scale, at::Tensor w8,
+                                            at::Tensor col_scale, at::Tensor mean8, at::Tensor skip) {
   q = q.contiguous();
   pos0 = pos0.contiguous();
   books = books.to(at::kFloat).contiguous();

@@ -468,7 +468,7 @@ struct CodeRows {
   void operator()(const uint8_t* row, float* dst) const { trellis ? tr(row, dst) : sc(row, dst); }
 };
 
-std::unique_ptr<CodeRows> make_code_rows(const torch::Tensor& table, int bits, int d) {
+std::unique_ptr<CodeRows> make_code_rows(const at::Tensor& table, int bits, int d) {
   const int64_t entries = table.numel();
   const int L = entries > 1 ? 63 - __builtin_clzll(static_cast<uint64_t>(entries)) : 0;
   const int nbytes = (d * bits + 7) / 8;
@@ -526,9 +526,9 @@ void tq_rows_attention(const float* q, const float* row_off, const uint8_t* kc, 
 }
 
 // Entry points: shapes were checked by the launcher; tensors are contiguous.
-torch::Tensor lut_scores(torch::Tensor q, torch::Tensor codes, torch::Tensor norm, torch::Tensor centroids, int64_t bits) {
+at::Tensor lut_scores(at::Tensor q, at::Tensor codes, at::Tensor norm, at::Tensor centroids, int64_t bits) {
   const int64_t B = q.size(0), H = q.size(1), R = q.size(2), d = q.size(3), T = codes.size(2);
-  auto out = torch::empty({B, H, R, T}, q.options());
+  auto out = at::empty({B, H, R, T}, q.options());
   if (out.numel() == 0) return out;
   const Layout L = make_layout(static_cast<int>(bits), static_cast<int>(d));
   lut_scores_dispatch(static_cast<int>(bits), q.data_ptr<float>(), codes.data_ptr<uint8_t>(),
@@ -536,9 +536,9 @@ torch::Tensor lut_scores(torch::Tensor q, torch::Tensor codes, torch::Tensor nor
   return out;
 }
 
-torch::Tensor lut_weighted_sum(torch::Tensor p, torch::Tensor codes, torch::Tensor norm, torch::Tensor centroids, int64_t bits, int64_t d) {
+at::Tensor lut_weighted_sum(at::Tensor p, at::Tensor codes, at::Tensor norm, at::Tensor centroids, int64_t bits, int64_t d) {
   const int64_t B = p.size(0), H = p.size(1), R = p.size(2), T = p.size(3);
-  auto out = torch::zeros({B, H, R, d}, p.options());
+  auto out = at::zeros({B, H, R, d}, p.options());
   if (out.numel() == 0 || T == 0) return out;
   const Layout L = make_layout(static_cast<int>(bits), static_cast<int>(d));
   const auto run = bits == 1 ? lut_weighted_sum_impl<1> : bits == 2 ? lut_weighted_sum_impl<2> : bits == 3 ? lut_weighted_sum_impl<3> : lut_weighted_sum_impl<4>;
@@ -547,10 +547,10 @@ torch::Tensor lut_weighted_sum(torch::Tensor p, torch::Tensor codes, torch::Tens
   return out;
 }
 
-std::vector<torch::Tensor> tq_attention(torch::Tensor q, torch::Tensor row_offset, torch::Tensor k_codes, torch::Tensor k_norm,
-                                        torch::Tensor k_cent, int64_t k_bits, torch::Tensor v_codes, torch::Tensor v_norm,
-                                        torch::Tensor v_cent, int64_t v_bits, double scale, torch::Tensor skip,
-                                        std::vector<torch::Tensor> turning) {
+std::vector<at::Tensor> tq_attention(at::Tensor q, at::Tensor row_offset, at::Tensor k_codes, at::Tensor k_norm,
+                                        at::Tensor k_cent, int64_t k_bits, at::Tensor v_codes, at::Tensor v_norm,
+                                        at::Tensor v_cent, int64_t v_bits, double scale, at::Tensor skip,
+                                        std::vector<at::Tensor> turning) {
   q = q.contiguous();
   if (row_offset.numel()) row_offset = row_offset.contiguous();
   // turning: empty, or {q (B, H, R, d) f32, pair (H, M) i64, mu (H, M, 2) f32, freq (d/2,) f64, w (d/2, 2, 64) f32, pos0 (B,) i64},
@@ -612,9 +612,9 @@ std::vector<torch::Tensor> tq_attention(torch::Tensor q, torch::Tensor row_offse
 // (B, H, R, 1) f32 or empty, pool (blocks, H, bs, C) uint8, block_table (B, M) int64, start/end (B,) int64 each
 // sequence's token range read, offsets (k_norm, v_norm, k_code, v_code) bytes within a row. Block ids and strides
 // were checked by the launcher (kvpack.kernels.cpu_lut.tq_paged_attention); checked again here where cheap.
-std::vector<torch::Tensor> tq_paged_attention(torch::Tensor q, torch::Tensor row_offset, torch::Tensor pool, torch::Tensor block_table,
-                                              torch::Tensor start, torch::Tensor end, std::vector<int64_t> offsets, torch::Tensor k_cent,
-                                              int64_t k_bits, torch::Tensor v_cent, int64_t v_bits, double scale) {
+std::vector<at::Tensor> tq_paged_attention(at::Tensor q, at::Tensor row_offset, at::Tensor pool, at::Tensor block_table,
+                                              at::Tensor start, at::Tensor end, std::vector<int64_t> offsets, at::Tensor k_cent,
+                                              int64_t k_bits, at::Tensor v_cent, int64_t v_bits, double scale) {
   q = q.contiguous();
   if (row_offset.numel()) row_offset = row_offset.contiguous();
   block_table = block_table.contiguous();

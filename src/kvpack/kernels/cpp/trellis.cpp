@@ -82,7 +82,7 @@ struct TrellisSearch {
 };
 
 // symbols (N, n) u8 of tail-biting paths for y (N, n) f32 against a (2**L,) state codebook at k bits per coordinate.
-torch::Tensor trellis_encode(torch::Tensor y, torch::Tensor book, int64_t k) {
+at::Tensor trellis_encode(at::Tensor y, at::Tensor book, int64_t k) {
   y = y.contiguous();
   book = book.contiguous();
   const int64_t S = book.numel();
@@ -91,7 +91,7 @@ torch::Tensor trellis_encode(torch::Tensor y, torch::Tensor book, int64_t k) {
   TORCH_CHECK(S == (int64_t{1} << L) && k >= 1 && k <= 4 && L % k == 0 && L > k && L <= 12, "trellis_encode: book of 2**L entries, L a multiple of k in (k, 12]");
   const int64_t N = y.size(0);
   const int n = static_cast<int>(y.size(1));
-  auto out = torch::empty({N, n}, y.options().dtype(torch::kUInt8));
+  auto out = at::empty({N, n}, y.options().dtype(at::kByte));
   const float* src = y.data_ptr<float>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   const int kk = static_cast<int>(k), half = n / 2, sym = (1 << kk) - 1;
