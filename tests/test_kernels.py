@@ -166,13 +166,15 @@ def test_backend_env_var(monkeypatch):
         cpu_lut.available()
 
 
-def test_failed_build_warns_once_and_reports_unavailable(monkeypatch):
+def test_failed_build_warns_once_and_reports_unavailable(monkeypatch, tmp_path):
     import torch.utils.cpp_extension
 
     def no_compiler(*args, **kwargs):
         raise RuntimeError("no compiler")
 
     monkeypatch.setattr(torch.utils.cpp_extension, "load", no_compiler)
+    monkeypatch.setattr(cpu_lut, "_built_library", lambda name: None)  # nothing built yet: a build is tried
+    monkeypatch.setattr(cpu_lut, "_build_directory", lambda name: tmp_path)
     build = cpu_lut._extension.__wrapped__  # the uncached builder: the real cache stays intact
     with pytest.warns(RuntimeWarning, match="kvpack CPU kernels unavailable.*no compiler") as record:
         assert build() is None
@@ -183,19 +185,21 @@ def test_failed_build_warns_once_and_reports_unavailable(monkeypatch):
 
 
 
-def test_a_build_is_announced_and_a_cached_build_is_silent(monkeypatch, capsys):
+def test_a_build_is_announced_and_a_cached_build_is_silent(monkeypatch, capsys, tmp_path):
     """The first build on a CPU prints one line before compiling (and one when done); loading a cached build prints nothing."""
     import torch.utils.cpp_extension
 
     calls = []
     monkeypatch.setattr(torch.utils.cpp_extension, "load", lambda **kw: calls.append(kw["name"]) or "module")
+    monkeypatch.setattr(cpu_lut, "_build_directory", lambda name: tmp_path)
     build = cpu_lut._extension.__wrapped__
-    monkeypatch.setattr(cpu_lut, "_is_built", lambda name: False)
+    monkeypatch.setattr(cpu_lut, "_built_library", lambda name: None)
     assert build() == "module"
     err = capsys.readouterr().err
     assert f"compiling its CPU kernels for this CPU (once, a few minutes): {calls[0]}" in err and "CPU kernels ready" in err
-    monkeypatch.setattr(cpu_lut, "_is_built", lambda name: True)
-    assert build() == "module" and capsys.readouterr().err == ""
+    monkeypatch.setattr(cpu_lut, "_built_library", lambda name: tmp_path / f"{name}.so")
+    monkeypatch.setattr(cpu_lut, "_import_built", lambda name, library: ("imported", library.name))
+    assert build() == ("imported", f"{calls[0]}.so") and capsys.readouterr().err == "" and len(calls) == 1
 
 
 def test_a_stale_build_lock_is_removed_and_a_fresh_one_is_named(tmp_path):
@@ -261,7 +265,7 @@ def test_a_failed_build_is_not_tried_again_another_way(monkeypatch, tmp_path, op
         raise RuntimeError("Error building extension: ninja: build stopped: interrupted by user.")
 
     monkeypatch.setattr(torch.utils.cpp_extension, "load", fail)
-    monkeypatch.setattr(cpu_lut, "_is_built", lambda name: False)
+    monkeypatch.setattr(cpu_lut, "_built_library", lambda name: None)
     monkeypatch.setattr(cpu_lut, "_build_directory", lambda name: tmp_path)
     monkeypatch.setattr(cpu_lut, "openmp_works", lambda: openmp)
     with pytest.warns(RuntimeWarning, match="kvpack CPU kernels unavailable, using the torch path.*interrupted by user"):
@@ -278,26 +282,34 @@ def test_a_compiler_without_openmp_is_told_apart(monkeypatch, tmp_path):
     assert cpu_lut.openmp_works() is False
 
 
-def test_each_python_environment_gets_its_own_build(monkeypatch):
-    """Two virtual environments on one machine would otherwise rebuild one shared name in turn (~35 s each time)."""
+def test_environments_with_one_torch_share_a_build_and_another_torch_gets_its_own(monkeypatch, tmp_path):
+    """A second virtual environment (vLLM's, a worktree's) with the same torch reuses the build; a torch upgraded in
+    place, whose headers and ABI differ, gets a new one instead of loading a library built against the old."""
     here = cpu_lut._build_name(openmp=True)
     monkeypatch.setattr(cpu_lut.sys, "prefix", "/elsewhere/.venv")
-    there = cpu_lut._build_name(openmp=True)
-    assert here != there and here.rsplit("_", 2)[0] == there.rsplit("_", 2)[0]  # same CPU tag and source hash
-
-
-def test_each_checkout_gets_its_own_build(monkeypatch, tmp_path):
-    """The same sources run from a second checkout in one environment (a worktree) used to share the build name, and
-    torch's build file names the sources' paths, so each checkout rebuilt the other's extension in place."""
-    here = cpu_lut._build_name(openmp=True)
     copy = tmp_path / "cpp"
     copy.mkdir()
     for path in cpu_lut.SOURCE_DIR.iterdir():
         if path.suffix in (".cpp", ".h"):
             (copy / path.name).write_bytes(path.read_bytes())
     monkeypatch.setattr(cpu_lut, "SOURCE_DIR", copy)
+    assert cpu_lut._build_name(openmp=True) == here  # another environment and checkout, the same sources and torch
+    monkeypatch.setattr(cpu_lut.torch, "__version__", "9.9.9+cpu")
     there = cpu_lut._build_name(openmp=True)
     assert here != there and here.rsplit("_", 2)[0] == there.rsplit("_", 2)[0]  # same CPU tag and source hash
+
+
+def test_a_built_extension_is_imported_without_torchs_loader(monkeypatch):
+    """torch's loader runs ninja on a build file that names the building environment's paths, so calling it from
+    another environment rebuilt the shared extension in place: a built one is imported directly instead."""
+    import torch.utils.cpp_extension
+
+    name = cpu_lut._build_name(openmp=True)
+    if not cpu_lut._is_built(name):
+        pytest.skip("this run's kernels were built without OpenMP")
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", lambda **kw: pytest.fail("torch's loader called for a built extension"))
+    ext = cpu_lut._extension.__wrapped__()
+    assert ext is not None and ext.__name__ == name and hasattr(ext, "merge_partials")
 
 
 def test_the_installed_build_is_found_as_built():

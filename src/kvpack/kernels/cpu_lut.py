@@ -7,7 +7,7 @@ the end. int8 (`int8_scores`, `int8_weighted_sum`) widens one token row at a tim
 
 Every `cpp/*.cpp` file (one kernel family each, over the shared online-softmax header `cpp/softmax.h`) is compiled
 into one extension with `torch.utils.cpp_extension.load` (`-O3 -march=native`, OpenMP when the compiler supports it) into torch's extensions directory (`$TORCH_EXTENSIONS_DIR`), once per
-CPU feature set, source version, environment and checkout, announced by one line on stderr; `KVCache(model, ...)` on CPU
+CPU feature set, source version and torch build (environments with the same torch share it), announced by one line on stderr; `KVCache(model, ...)` on CPU
 triggers it, so it never happens silently inside the first decode step.
 Any build failure makes `available()` False, with one warning, and callers keep their torch path.
 Each launcher checks shapes and dtypes before the C++ call. The attention kernels' references are the ops' contract
@@ -18,6 +18,7 @@ steps, k-means).
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
 import socket
 import subprocess
@@ -57,18 +58,36 @@ _build_errors: list[str] = []  # why the last build attempt failed, for `unavail
 
 
 def _build_name(openmp: bool) -> str:
-    """One build per CPU feature set, source version, Python environment and checkout: a changed source is a new
-    name, never a silent rebuild. torch shares one build directory per Python version, and its build file names the
-    environment's torch headers and the sources' paths, so two environments, or two checkouts of the same sources run
-    from one environment (a worktree, an installed copy), sharing a name rebuilt it in turn, each in the other's
-    directory while the other might be loading it."""
+    """One build per CPU feature set, source version and torch build: a changed source is a new name, never a silent
+    rebuild, and so is another torch (its headers and ABI are compiled in; a torch upgraded in place must not load a
+    build made against the old one). Environments and checkouts with the same sources and the same torch share one
+    build: a built one is imported directly (`_import_built`), never handed to torch's loader, whose ninja file names
+    the building environment's header paths and the sources' paths and would rebuild it in place for any other."""
     digest = hashlib.sha1()
     for path in sorted(SOURCE_DIR.iterdir()):  # the header too: a change anywhere is a new build
         if path.suffix in (".cpp", ".h"):
             digest.update(path.name.encode() + path.read_bytes())
     source = digest.hexdigest()[:8]
-    env = hashlib.sha1(f"{sys.prefix}\0{SOURCE_DIR.resolve()}".encode()).hexdigest()[:6]
+    abi = f"{torch.__version__}\0{torch.compiled_with_cxx11_abi()}\0{sys.implementation.cache_tag}"
+    env = hashlib.sha1(abi.encode()).hexdigest()[:6]
     return f"kvpack_lut_{_cpu_tag()}_{source}_{env}{'_omp' if openmp else ''}"
+
+
+def _built_library(name: str) -> Path | None:
+    """The built extension's shared library for `name`, or None (torch writes `<name>.so` in its build directory)."""
+    home = _build_directory(_build_name(True))  # torch creates the directory of every name it is asked about: ask
+    library = home.parent / name / f"{name}.so" if home is not None else None  # for the OpenMP build's only, look beside
+    return library if library is not None and library.is_file() else None
+
+
+def _import_built(name: str, library: Path) -> ModuleType:
+    """Import a built extension from its shared library, without torch's loader (which would run ninja first)."""
+    spec = importlib.util.spec_from_file_location(name, library)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import {library}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 STALE_LOCK_S = 30 * 60  # a build takes minutes; a lock older than this was left by a build that was killed
@@ -160,28 +179,21 @@ def openmp_works() -> bool:
 
 
 def _is_built(name: str) -> bool:
-    try:
-        from torch.utils.cpp_extension import _get_build_directory
-
-        return any(Path(_get_build_directory(name, False)).glob(f"{name}*.so"))
-    except Exception:  # a private torch helper: when it moves, we only lose the accurate message
-        return False
+    return _built_library(name) is not None
 
 
 @cache
 def _extension() -> ModuleType | None:
     """Build (or load the cached build of) the extension; None, with one warning, if that fails.
 
-    A build prints one line to stderr before it starts (a few minutes on 2 cores, once per CPU, environment and kvpack
+    A build prints one line to stderr before it starts (1.5 minutes on 2 cores, once per CPU, torch build and kvpack
     version): `KVCache(model, ...)` triggers it on CPU, so it never hides inside a decode step."""
     from torch.utils.cpp_extension import load
 
     errors = _build_errors
     errors.clear()
     built = {True: _is_built(_build_name(True))}
-    root = _build_directory(_build_name(True))  # torch creates a directory for every name it is asked about: look beside
-    plain = _build_name(False)
-    built[False] = not built[True] and root is not None and any((root.parent / plain).glob(f"{plain}*.so"))
+    built[False] = not built[True] and _is_built(_build_name(False))
     # A cached build of either kind loads without asking the compiler; a new one is built with OpenMP when the
     # compiler has it, else without: one build, never a second after a failed first.
     choices = [True] if built[True] else [False] if built[False] else [openmp_works()]
@@ -198,7 +210,8 @@ def _extension() -> ModuleType | None:
             print(f"kvpack: compiling its CPU kernels for this CPU (once, a few minutes): {name}", file=sys.stderr, flush=True)
         owner = _claim(directory) if building else None
         try:
-            ext = load(name=name, sources=[str(p) for p in SOURCES], extra_include_paths=[str(SOURCE_DIR)], extra_cflags=flags, extra_ldflags=["-fopenmp"] if openmp else [], verbose=False)
+            library = _built_library(name) if not building else None
+            ext = _import_built(name, library) if library is not None else load(name=name, sources=[str(p) for p in SOURCES], extra_include_paths=[str(SOURCE_DIR)], extra_cflags=flags, extra_ldflags=["-fopenmp"] if openmp else [], verbose=False)
         except Exception as e:  # no compiler, no headers, a linker error: all mean "use torch"
             errors.append(f"{'with' if openmp else 'without'} OpenMP: {type(e).__name__}: {str(e).strip()[-300:]}")
             continue
