@@ -192,35 +192,36 @@ def _extension() -> ModuleType | None:
 
     errors = _build_errors
     errors.clear()
-    built = {True: _is_built(_build_name(True))}
-    built[False] = not built[True] and _is_built(_build_name(False))
-    # A cached build of either kind loads without asking the compiler; a new one is built with OpenMP when the
+    # A cached build of either kind is imported without asking the compiler; a new one is built with OpenMP when the
     # compiler has it, else without: one build, never a second after a failed first.
-    choices = [True] if built[True] else [False] if built[False] else [openmp_works()]
-    for openmp in choices:
-        flags = ["-O3", "-march=native", *(["-fopenmp"] if openmp else [])]
-        name = _build_name(openmp)
-        start = time.perf_counter()
-        building = not built[openmp]
-        directory = _build_directory(name)
-        message = clear_stale_lock(directory) if directory is not None else None
-        if message:
-            print(message, file=sys.stderr, flush=True)
-        if building:
-            print(f"kvpack: compiling its CPU kernels for this CPU (once, a few minutes): {name}", file=sys.stderr, flush=True)
-        owner = _claim(directory) if building else None
+    libraries = {openmp: _built_library(_build_name(openmp)) for openmp in (True, False)}
+    openmp = True if libraries[True] else False if libraries[False] else openmp_works()
+    name, library = _build_name(openmp), libraries[openmp]
+    directory = _build_directory(name)
+    message = clear_stale_lock(directory) if directory is not None else None
+    if message:
+        print(message, file=sys.stderr, flush=True)
+    if library is not None:
         try:
-            library = _built_library(name) if not building else None
-            ext = _import_built(name, library) if library is not None else load(name=name, sources=[str(p) for p in SOURCES], extra_include_paths=[str(SOURCE_DIR)], extra_cflags=flags, extra_ldflags=["-fopenmp"] if openmp else [], verbose=False)
-        except Exception as e:  # no compiler, no headers, a linker error: all mean "use torch"
+            return _import_built(name, library)
+        except Exception as e:  # a library that no longer loads: say why and use torch
+            errors.append(f"importing {library}: {type(e).__name__}: {str(e).strip()[-300:]}")
+    else:
+        print(f"kvpack: compiling its CPU kernels for this CPU (once, a few minutes): {name}", file=sys.stderr, flush=True)
+        start = time.perf_counter()
+        owner = _claim(directory)
+        flags = ["-O3", "-march=native", *(["-fopenmp"] if openmp else [])]
+        try:
+            ext = load(name=name, sources=[str(p) for p in SOURCES], extra_include_paths=[str(SOURCE_DIR)], extra_cflags=flags,
+                       extra_ldflags=["-fopenmp"] if openmp else [], verbose=False)
+        except Exception as e:  # no compiler, no headers, a linker error, an interrupted build: all mean "use torch"
             errors.append(f"{'with' if openmp else 'without'} OpenMP: {type(e).__name__}: {str(e).strip()[-300:]}")
-            continue
+        else:
+            print(f"kvpack: CPU kernels ready ({time.perf_counter() - start:.0f} s)", file=sys.stderr, flush=True)
+            return ext
         finally:
             if owner is not None:
                 owner.unlink(missing_ok=True)
-        if building:
-            print(f"kvpack: CPU kernels ready ({time.perf_counter() - start:.0f} s)", file=sys.stderr, flush=True)
-        return ext
     warnings.warn("kvpack CPU kernels unavailable, using the torch path: " + " | ".join(errors), RuntimeWarning, stacklevel=3)
     return None
 
